@@ -1,0 +1,36 @@
+# Everything a fresh machine needs is made here: `make run` and `make test` create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Parallel test workers (the suite's multi-process tests already use 2 processes each).
+TEST_WORKERS ?= 2
+
+.PHONY: install run test lint format bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU build where no GPU is present (see README, "Install")
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+# Train SASRec on MovieLens-100K on this machine and print the test metrics.
+run: install
+	$(BIN)/python recipes/sasrec.py --log-with csv
+
+test: install
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15 tests
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check toolkit recipes tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/sasrec_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

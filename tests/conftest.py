@@ -1,0 +1,76 @@
+"""Shared helpers: run a recipe as real processes (plain python or `accelerate launch`) with tiny settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "accelerate_configs"
+DATA_CACHE = ROOT / ".cache" / "test-data"  # MovieLens-100K fetched and prepared once, shared by all tests
+
+# Small enough to train a few steps in seconds on 2 cores, big enough to exercise every code path.
+TINY = ["--hidden", "16", "--blocks", "1", "--maxlen", "20", "--batch-size", "64", "--eval-every", "1",
+        "--log-with", "none", "--cache-dir", str(DATA_CACHE)]
+
+
+def recipe_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_"))}
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+                "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
+    env.update(extra or {})
+    return env
+
+
+def run_recipe(args: list[str], *, config: str | None = None, recipe: str = "sasrec", cwd: Path | None = None,
+               env: dict | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run recipes/<recipe>.py: plain python when config is None, else through `accelerate launch`."""
+    script = str(ROOT / "recipes" / f"{recipe}.py")
+    if config is None:
+        command = [sys.executable, script, *args]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+                   "--main_process_port", "0", script, *args]
+    result = subprocess.run(command, cwd=cwd or ROOT, env=recipe_env(env), capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
+                             f"\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def ranks_seen(output: str) -> set[tuple[int, int]]:
+    """(rank, world size) pairs the processes announced from inside."""
+    seen = set()
+    for line in output.splitlines():
+        if line.startswith("[rank ") and "]" in line:
+            rank, world = line[len("[rank "): line.index("]")].split("/")
+            seen.add((int(rank), int(world)))
+    return seen
+
+
+@pytest.fixture(scope="session")
+def movielens_cache() -> Path:
+    """Fetch and prepare MovieLens-100K once (the recbole wheel from PyPI when GroupLens is unreachable)."""
+    from filelock import FileLock
+    from toolkit.data.movielens import prepare_movielens
+
+    DATA_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(DATA_CACHE / ".prepare.lock")):  # pytest-xdist workers share the cache
+        prepare_movielens("ml-100k", None, DATA_CACHE)
+    return DATA_CACHE

@@ -1,0 +1,123 @@
+"""The flags every recipe shares, and parsing them with tyro into one-line errors.
+
+A recipe's config dataclass subclasses `TrainConfig`, overriding defaults and adding its own fields, so every
+recipe has the same `--output-dir`, `--resume-from`, `--batch-size`, ... with the same meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import tyro
+
+from toolkit.errors import UsageError
+
+
+@dataclass
+class TrainConfig:
+    output_dir: Path | None = None
+    """Run directory. Default: runs/<recipe>/<run-name>, the name made on the main process and shared."""
+    resume_from: Literal["auto"] | Path | None = None
+    """`auto`: newest complete checkpoint of --output-dir (or of the newest run of this recipe when no
+    --output-dir is given), a fresh start when there is none. PATH: a checkpoints/step_N dir or a run dir."""
+    run_name: str | None = None
+    """Name of the run (default: date-time); used for the default --output-dir and the tracker."""
+    seed: int = 0
+    """Seeds weights, data order, dropout and sampled negatives."""
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (smoke runs); the schedule still follows --epochs."""
+    batch_size: int = 128
+    """GLOBAL batch size per forward pass, split evenly over the processes (must divide by their number).
+    The effective batch per optimizer step is batch_size x grad_accum."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N optimizer steps (0 = only at epoch ends and at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest N complete checkpoints (the best-validation one is always kept too)."""
+    eval_every: int = 1
+    """Evaluate on the validation split every N epochs (and at the end)."""
+    log_every: int = 10
+    """Send the training loss to the tracker every N optimizer steps."""
+    deterministic: bool = False
+    """Use deterministic algorithms (needed for bit-exact GPU runs; slower)."""
+    log_with: Literal["wandb", "tensorboard", "csv", "none"] = "wandb"
+    """Tracker. wandb runs offline by itself when no W&B credentials are found. csv writes log.csv."""
+    wandb_project: str | None = None
+    """W&B project (default: the recipe name)."""
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
+    """Overrides the accelerate config. bf16 works on CPU and GPU; fp16 needs a GPU."""
+    num_workers: int = 0
+    """DataLoader worker processes per process."""
+    compile: bool = False
+    """torch.compile the model (inductor)."""
+    dist_timeout: float = 600.0
+    """Seconds a collective may wait for a lost or stuck rank before the run fails."""
+
+
+ConfigT = TypeVar("ConfigT", bound=TrainConfig)
+
+
+def parse_config(config_type: type[ConfigT], args: list[str] | None = None, description: str | None = None) -> ConfigT:
+    """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed)."""
+    is_main = os.environ.get("RANK", "0") == "0"
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            config = tyro.cli(config_type, args=args, description=description, console_outputs=is_main)
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            if is_main:
+                print(f"error: {_condense_tyro_error(captured.getvalue())}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+    validate(config)
+    return config
+
+
+def _condense_tyro_error(text: str) -> str:
+    """tyro prints a box; keep its message lines (above the first rule) as one line."""
+    lines = []
+    for raw in text.splitlines():
+        line = raw.strip().strip("│╭╮╰╯").strip()
+        if line.startswith("─") or line.startswith("For full helptext"):
+            if lines:
+                break
+            continue
+        line = re.sub(r"^─+ [A-Za-z ]+ ─+$", "", line).strip()
+        if line:
+            lines.append(line)
+    return " ".join(lines) or text.strip().replace("\n", " ")
+
+
+def validate(config: TrainConfig) -> None:
+    """Range checks tyro cannot express, before any expensive work."""
+    positive = ["epochs", "batch_size", "grad_accum", "keep_checkpoints", "eval_every", "log_every"]
+    for name in positive:
+        value = getattr(config, name)
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be a positive integer")
+    if config.max_steps is not None and config.max_steps < 1:
+        raise UsageError(f"--max-steps {config.max_steps} is invalid; give a positive number of steps or omit it")
+    for name in ["checkpoint_every", "num_workers"]:
+        if getattr(config, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(config, name)} is invalid; it must be >= 0")
+    if not config.lr > 0:
+        raise UsageError(f"--lr {config.lr} is invalid; it must be > 0")
+    if config.max_grad_norm < 0:
+        raise UsageError(f"--max-grad-norm {config.max_grad_norm} is invalid; use 0 (off) or a positive norm")
+    if not config.dist_timeout > 0:
+        raise UsageError(f"--dist-timeout {config.dist_timeout} is invalid; give seconds > 0")

@@ -1,0 +1,494 @@
+"""MovieLens for sequential recommendation: raw ratings -> per-user chronological sequences -> leave-one-out.
+
+    ds, meta = prepare_movielens("ml-100k", None, Path("~/.cache/accelerate-recipes").expanduser())
+    split = leave_one_out(ds, meta, maxlen=200)
+    train_set = UserSequences({"input": split.train_input, "target": split.train_target}, users=None)
+
+Raw ratings come from --data-path (MovieLens u.data, ratings.dat or a RecBole .inter file, or a directory
+holding one); without it ML-100K is fetched once into <cache_dir>/raw (GroupLens, else the ml-100k.inter
+shipped in the recbole wheel on PyPI). The per-user sequences are built once and kept as a `datasets` dataset
+under <cache_dir>/processed/<dataset>-<key>, key = hash of the raw file and FORMAT_VERSION; a build is written
+to a temporary sibling directory and renamed when complete, so an interrupted build is never loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import datasets
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from toolkit.errors import UsageError
+
+FORMAT_VERSION = 1  # bump when the processed layout or the parsing changes: old caches are then rebuilt
+DATASETS = ("ml-100k", "ml-1m")
+GROUPLENS_100K = "https://files.grouplens.org/datasets/movielens/ml-100k.zip"
+GROUPLENS_1M = "https://files.grouplens.org/datasets/movielens/ml-1m.zip"
+RECBOLE_WHEEL = "recbole==1.2.1"
+RECBOLE_MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
+INTER_HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+VALID_INPUT = "give MovieLens u.data, ratings.dat or a RecBole .inter file (or omit it for ml-100k)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Raw files: find, fetch, parse
+# ----------------------------------------------------------------------------------------------------
+
+
+def _first_line(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return handle.readline(4096).decode("utf-8", errors="replace").rstrip("\r\n")
+
+
+def _sniff_format(path: Path) -> Literal["udata", "dat", "inter"] | None:
+    """The format of a ratings file from its first line, whatever its name."""
+    line = _first_line(path)
+    if "::" in line:
+        fields = line.split("::")
+        ids_ok = all(f.strip().lstrip("-").isdigit() for f in fields[:2])
+        return "dat" if len(fields) >= 4 and ids_ok else None
+    fields = line.split("\t")
+    names = [f.split(":")[0].strip() for f in fields]
+    if {"user_id", "item_id", "timestamp"} <= set(names):
+        return "inter"
+    if len(fields) >= 4 and all(_is_number(f) for f in fields[:4]):
+        return "udata"
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve_data_path(data_path: Path) -> Path:
+    """A ratings file from --data-path (a file, or a directory holding u.data, ratings.dat or one *.inter)."""
+    path = Path(data_path).expanduser()
+    if not path.exists():
+        raise UsageError(f"--data-path {data_path} does not exist; {VALID_INPUT}")
+    if path.is_dir():
+        candidates = [path / "u.data", path / "ratings.dat"]
+        found = [c for c in candidates if c.is_file()]
+        if not found:
+            inter = sorted(p for p in path.glob("*.inter") if p.is_file())
+            if len(inter) > 1:
+                names = ", ".join(p.name for p in inter)
+                raise UsageError(
+                    f"--data-path {data_path} holds several .inter files ({names}); pass one of them"
+                )
+            found = inter
+        if not found:
+            raise UsageError(
+                f"--data-path {data_path} is a directory without u.data, ratings.dat or a *.inter file; "
+                f"{VALID_INPUT}"
+            )
+        path = found[0]
+    if not path.is_file():
+        raise UsageError(f"--data-path {data_path} is not a regular file; {VALID_INPUT}")
+    if _sniff_format(path) is None:
+        first = _first_line(path)[:60]
+        raise UsageError(
+            f"--data-path {path} is not a MovieLens ratings file (first line {first!r}); {VALID_INPUT}"
+        )
+    return path
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, target)
+
+
+def _fetch_grouplens_100k() -> bytes:
+    """u.data from the GroupLens zip, as a RecBole .inter file (header + the same tab-separated rows)."""
+    with urllib.request.urlopen(GROUPLENS_100K, timeout=5) as response:
+        archive = response.read()
+    with zipfile.ZipFile(io.BytesIO(archive)) as zipped:
+        rows = zipped.read("ml-100k/u.data")
+    return INTER_HEADER.encode() + rows
+
+
+def _fetch_recbole_100k() -> bytes:
+    """ml-100k.inter out of the recbole wheel on PyPI (a wheel is a zip; nothing is installed)."""
+    with tempfile.TemporaryDirectory(prefix="recbole-wheel-") as tmpdir:
+        pip_download = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+        command = [*pip_download, RECBOLE_WHEEL, "-d", tmpdir]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError("pip download timed out after 300 s") from None
+        wheels = sorted(Path(tmpdir).glob("recbole-*.whl"))
+        if result.returncode != 0 or not wheels:
+            lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+            last = lines[-1] if lines else "no output"
+            raise RuntimeError(f"pip download exited {result.returncode}: {last}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            return wheel.read(RECBOLE_MEMBER)
+
+
+def _ml100k_raw(cache_dir: Path) -> tuple[Path, str]:
+    """<cache_dir>/raw/ml-100k.inter, fetched on first use; returns (path, where it came from)."""
+    target = cache_dir / "raw" / "ml-100k.inter"
+    origin_file = target.with_name(target.name + ".source")
+    if target.is_file():
+        origin = origin_file.read_text().strip() if origin_file.is_file() else "fetched earlier"
+        return target, f"{target} ({origin})"
+    failures = []
+    for origin, fetch in [
+        (GROUPLENS_100K, _fetch_grouplens_100k),
+        (f"{RECBOLE_WHEEL} wheel from PyPI", _fetch_recbole_100k),
+    ]:
+        try:
+            data = fetch()
+        except Exception as error:  # noqa: BLE001 - any failure means: try the next source
+            failures.append(f"{origin}: {' '.join(str(error).split())[:200] or type(error).__name__}")
+            continue
+        _write_atomically(target, data)
+        _write_atomically(origin_file, origin.encode())
+        return target, f"{target} ({origin})"
+    raise UsageError(
+        f"--dataset ml-100k could not be fetched (tried {'; '.join(failures)}); download {GROUPLENS_100K}, "
+        "unzip it and pass --data-path .../ml-100k/u.data"
+    )
+
+
+def _read_ratings(path: Path) -> pd.DataFrame:
+    """user, item, timestamp columns in file order, whatever the format; UsageError if unreadable."""
+    kind = _sniff_format(path)
+    try:
+        if kind == "dat":  # "::" is two characters, which only pandas' slow python engine splits on
+            text = path.read_bytes().replace(b"::", b"\t")
+            frame = pd.read_csv(io.BytesIO(text), sep="\t", header=None, usecols=[0, 1, 3])
+            frame.columns = ["user", "item", "timestamp"]
+        elif kind == "udata":
+            frame = pd.read_csv(path, sep="\t", header=None, usecols=[0, 1, 3])
+            frame.columns = ["user", "item", "timestamp"]
+        elif kind == "inter":
+            frame = pd.read_csv(path, sep="\t", header=0, dtype=str, keep_default_na=False)
+            frame.columns = [str(c).split(":")[0].strip() for c in frame.columns]
+            frame = frame[["user_id", "item_id", "timestamp"]]
+            frame.columns = ["user", "item", "timestamp"]
+        else:
+            raise ValueError("unrecognised format")
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as error:
+        reason = " ".join(str(error).split())[:120]
+        raise UsageError(f"--data-path {path} could not be parsed ({reason}); {VALID_INPUT}") from None
+    if len(frame) == 0:
+        raise UsageError(f"--data-path {path} holds no ratings; {VALID_INPUT}")
+    header_lines = 1 if kind == "inter" else 0
+    for column in ["user", "item", "timestamp"]:
+        blank = frame[column].isna() | (frame[column].astype(str).str.strip() == "")
+        missing = np.flatnonzero(blank.to_numpy())
+        if len(missing):
+            raise UsageError(
+                f"--data-path {path} line {missing[0] + 1 + header_lines}: no {column} value; every line "
+                "needs user, item, rating and timestamp"
+            )
+    timestamps = pd.to_numeric(frame["timestamp"], errors="coerce")
+    bad = np.flatnonzero(~np.isfinite(timestamps.to_numpy(dtype=np.float64)))
+    if len(bad):
+        line = bad[0] + 1 + header_lines
+        raise UsageError(
+            f"--data-path {path} line {line}: timestamp {frame['timestamp'].iloc[bad[0]]!r} is not a number; "
+            "timestamps must be unix seconds"
+        )
+    if timestamps.dtype.kind != "i":
+        timestamps = timestamps.round()
+    return pd.DataFrame(
+        {
+            "user": _as_ids(frame["user"]),
+            "item": _as_ids(frame["item"]),
+            "timestamp": timestamps.astype(np.int64),
+        }
+    )
+
+
+def _as_ids(column: pd.Series) -> pd.Series:
+    """Numeric ids as integers (so "7" in a .inter file and 7 in u.data sort alike), anything else as text."""
+    if column.dtype.kind in "iu":
+        return column.astype(np.int64)
+    numbers = pd.to_numeric(column, errors="coerce")
+    if numbers.notna().all() and (numbers == numbers.round()).all():
+        return numbers.astype(np.int64)
+    return column.astype(str)
+
+
+def _build_sequences(ratings: pd.DataFrame) -> tuple[datasets.Dataset, dict]:
+    """Users -> 0..U-1 and items -> 1..I (both in sorted original-id order); per-user rows sorted by
+    timestamp, ties in file order."""
+    user_codes, user_ids = pd.factorize(ratings["user"], sort=True)
+    item_codes, item_ids = pd.factorize(ratings["item"], sort=True)
+    timestamps = ratings["timestamp"].to_numpy(dtype=np.int64)
+    order = np.lexsort((np.arange(len(ratings)), timestamps, user_codes))  # last key is the primary one
+    users, items, times = user_codes[order], item_codes[order] + 1, timestamps[order]
+    num_users = len(user_ids)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(np.bincount(users, minlength=num_users))]), pa.int32())
+    ds = datasets.Dataset.from_dict(
+        {
+            "user": pa.array(np.arange(num_users, dtype=np.int64)),
+            "items": pa.ListArray.from_arrays(offsets, pa.array(items.astype(np.int64))),
+            "timestamps": pa.ListArray.from_arrays(offsets, pa.array(times)),
+        }
+    )
+    meta = {"num_users": num_users, "num_items": len(item_ids), "num_interactions": len(ratings)}
+    return ds, meta
+
+
+# ----------------------------------------------------------------------------------------------------
+# prepare_movielens: raw file -> cached `datasets` dataset
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cache_key(path: Path) -> str:
+    sha1 = hashlib.sha1()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha1.update(block)
+    ident = f"v{FORMAT_VERSION}:{path.stat().st_size}:{sha1.hexdigest()}"
+    return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _writable(cache_dir: Path):
+    """A cache directory we may not write to is the user's to fix: one line naming --cache-dir."""
+    try:
+        yield
+    except PermissionError as error:
+        raise UsageError(
+            f"--cache-dir {cache_dir} is not writable ({error.strerror}: {error.filename}); "
+            "pass a writable directory"
+        ) from None
+
+
+def _save_atomically(ds: datasets.Dataset, meta: dict, final: Path) -> None:
+    """final/dataset (save_to_disk) + final/meta.json, built in a temporary sibling, renamed when complete."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    building = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        ds.save_to_disk(str(building / "dataset"))
+        (building / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if final.exists() and not (final / "meta.json").is_file():
+            shutil.rmtree(final)  # not ours: complete builds always hold meta.json (the rename is atomic)
+        try:
+            os.rename(building, final)
+        except OSError:
+            if not (final / "meta.json").is_file():  # else a concurrent builder finished first: use its build
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+def prepare_movielens(
+    dataset: Literal["ml-100k", "ml-1m"], data_path: Path | None, cache_dir: Path
+) -> tuple[datasets.Dataset, dict]:
+    """Per-user chronological sequences, built once and cached with `datasets` (save_to_disk/load_from_disk).
+
+    Returns (ds, meta): ds columns user (int 0..U-1), items (list[int] remapped to 1..I, sorted by timestamp,
+    ties keep file order (stable sort)), timestamps (list[int], unix seconds); meta = {num_users, num_items,
+    num_interactions, source (str: where the raw file came from), dataset}.
+    Users and items are numbered in the sorted order of their original ids.
+    """
+    datasets.disable_progress_bars()
+    if dataset not in DATASETS:
+        raise UsageError(f"--dataset {dataset} is unknown; use one of {', '.join(DATASETS)}")
+    cache_dir = Path(cache_dir).expanduser()
+    if data_path is not None:
+        raw = _resolve_data_path(data_path)
+        source = str(raw)
+    elif dataset == "ml-100k":
+        with _writable(cache_dir):
+            raw, source = _ml100k_raw(cache_dir)
+    else:
+        raise UsageError(
+            f"--dataset {dataset} is not fetched automatically and --data-path is missing; download "
+            f"{GROUPLENS_1M}, unzip it and pass --data-path .../ml-1m/ratings.dat"
+        )
+
+    final = cache_dir / "processed" / f"{dataset}-{_cache_key(raw)}"
+    if not (final / "meta.json").is_file():
+        ds, meta = _build_sequences(_read_ratings(raw))
+        meta.update(source=source, dataset=dataset)
+        with _writable(cache_dir):
+            _save_atomically(ds, meta, final)
+    meta = json.loads((final / "meta.json").read_text())
+    meta.update(source=source, dataset=dataset)  # the same file may have been built from another path
+    return datasets.load_from_disk(str(final / "dataset")), meta
+
+
+# ----------------------------------------------------------------------------------------------------
+# Leave-one-out split (SASRec protocol) with TiSASRec's per-user scaled times
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LeaveOneOut:
+    """Padded [U, L] tensors (0 = padding, left-padded, the most recent maxlen positions), all on CPU.
+
+    Users with fewer than 3 interactions train on all of them and have valid/test targets 0; eval_users
+    lists the others. touched[u, i]: user u interacted with item i anywhere (train, valid or test); column 0
+    is False.
+    """
+
+    num_users: int
+    num_items: int
+    maxlen: int
+    train_input: torch.Tensor
+    train_target: torch.Tensor
+    train_time: torch.Tensor
+    valid_input: torch.Tensor
+    valid_time: torch.Tensor
+    valid_target: torch.Tensor
+    test_input: torch.Tensor
+    test_time: torch.Tensor
+    test_target: torch.Tensor
+    touched: torch.Tensor
+    eval_users: torch.Tensor
+
+
+def _scaled_times(times: np.ndarray, owner: np.ndarray, num_users: int) -> np.ndarray:
+    """TiSASRec: per user, round((t - t_min) / smallest non-zero gap between sorted timestamps) + 1."""
+    if len(times) == 0:
+        return times.astype(np.int64)
+    order = np.lexsort((times, owner))
+    sorted_times, sorted_owner = times[order], owner[order]
+    gaps = np.diff(sorted_times)
+    usable = (np.diff(sorted_owner) == 0) & (gaps != 0)
+    scale = np.full(num_users, np.inf)
+    np.minimum.at(scale, sorted_owner[1:][usable], gaps[usable].astype(np.float64))
+    scale[~np.isfinite(scale)] = 1.0
+    t_min = np.full(num_users, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(t_min, owner, times)
+    # np.round rounds half to even, like Python's round() in TiSASRec's code.
+    return np.round((times - t_min[owner]) / scale[owner]).astype(np.int64) + 1
+
+
+def _concatenated_ranges(begin: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """np.concatenate([np.arange(b, b + k) for b, k in zip(begin, lengths)]), without the Python loop."""
+    within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(begin, lengths) + within
+
+
+def _right_aligned(values: np.ndarray, begin: np.ndarray, end: np.ndarray, maxlen: int) -> torch.Tensor:
+    """Row u = values[begin[u]:end[u]], keeping the last maxlen, left-padded with 0 to maxlen."""
+    begin = np.maximum(begin, end - maxlen)
+    lengths = np.maximum(end - begin, 0)
+    rows = np.repeat(np.arange(len(begin)), lengths)
+    columns = maxlen - np.repeat(lengths, lengths) + _concatenated_ranges(np.zeros_like(begin), lengths)
+    out = np.zeros((len(begin), maxlen), dtype=np.int64)
+    out[rows, columns] = values[_concatenated_ranges(begin, lengths)]
+    return torch.from_numpy(out)
+
+
+def leave_one_out(ds: datasets.Dataset, meta: dict, maxlen: int) -> LeaveOneOut:
+    """Split each user's chronological sequence s (n items): train s[:-2], valid target s[-2], test s[-1].
+
+    train_input/target: train[:-1] -> train[1:] (every position predicts the next item); valid_input: train;
+    test_input: train + [valid item]; *_time: the TiSASRec times of the *_input items. Users with n < 3 keep
+    all n items for training (their valid/test inputs are those items, targets 0) and are not in eval_users.
+    """
+    if maxlen < 1:
+        raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+    num_users, num_items = int(meta["num_users"]), int(meta["num_items"])
+    table = ds.with_format("arrow")[:]
+    users = table.column("user").to_numpy().astype(np.int64)
+    item_lists, time_lists = table.column("items"), table.column("timestamps")
+    lengths = pc.list_value_length(item_lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    if len(users) and (users.min() < 0 or users.max() >= num_users or len(np.unique(users)) != len(users)):
+        raise ValueError(f"user ids must be distinct and in 0..{num_users - 1}")
+    # Flat arrays in user order (rows may come in any order).
+    row_begin = np.cumsum(lengths) - lengths
+    row_order = np.argsort(users, kind="stable")
+    gather = _concatenated_ranges(row_begin[row_order], lengths[row_order])
+    items = pc.list_flatten(item_lists).to_numpy(zero_copy_only=False).astype(np.int64)[gather]
+    times = pc.list_flatten(time_lists).to_numpy(zero_copy_only=False).astype(np.int64)[gather]
+    if len(items) and (items.min() < 1 or items.max() > num_items):
+        raise ValueError(f"item ids must be in 1..{num_items}")
+
+    n = np.zeros(num_users, dtype=np.int64)
+    n[users] = lengths
+    start = np.cumsum(n) - n
+    owner = np.repeat(np.arange(num_users), n)
+    scaled = _scaled_times(times, owner, num_users)
+
+    evaluated = n >= 3
+    train_len = np.where(evaluated, n - 2, n)
+    train_end = start + train_len
+    history_end = train_end + evaluated  # train + the validation item
+    valid_target, test_target = np.zeros(num_users, dtype=np.int64), np.zeros(num_users, dtype=np.int64)
+    valid_target[evaluated] = items[(start + n - 2)[evaluated]]
+    test_target[evaluated] = items[(start + n - 1)[evaluated]]
+    touched = torch.zeros(num_users, num_items + 1, dtype=torch.bool)
+    touched[torch.from_numpy(owner), torch.from_numpy(items)] = True
+    return LeaveOneOut(
+        num_users=num_users,
+        num_items=num_items,
+        maxlen=maxlen,
+        train_input=_right_aligned(items, start, np.maximum(train_end - 1, start), maxlen),
+        train_target=_right_aligned(items, np.minimum(start + 1, train_end), train_end, maxlen),
+        train_time=_right_aligned(scaled, start, np.maximum(train_end - 1, start), maxlen),
+        valid_input=_right_aligned(items, start, train_end, maxlen),
+        valid_time=_right_aligned(scaled, start, train_end, maxlen),
+        valid_target=torch.from_numpy(valid_target),
+        test_input=_right_aligned(items, start, history_end, maxlen),
+        test_time=_right_aligned(scaled, start, history_end, maxlen),
+        test_target=torch.from_numpy(test_target),
+        touched=touched,
+        eval_users=torch.from_numpy(np.flatnonzero(evaluated).astype(np.int64)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch Dataset over per-user rows
+# ----------------------------------------------------------------------------------------------------
+
+
+class UserSequences(torch.utils.data.Dataset):
+    """Rows of a dict of equally long tensors; item i is {"user": tensor(i), **{k: v[i]}}.
+
+    With `users`, only those rows: item i is {"user": users[i], **{k: v[users[i]]}}. Every value is a tensor,
+    so the default collate stacks them into a batch.
+    """
+
+    def __init__(self, fields: dict[str, torch.Tensor], users: torch.Tensor | None = None):
+        sizes = {name: len(value) for name, value in fields.items()}
+        if not fields or len(set(sizes.values())) != 1:
+            raise ValueError(f"fields must be non-empty and equally long, got sizes {sizes}")
+        if "user" in fields:
+            raise ValueError("'user' is added by UserSequences; do not pass it as a field")
+        self.fields = fields
+        rows = next(iter(sizes.values()))
+        if users is None:
+            self.users = torch.arange(rows)
+        else:
+            self.users = torch.as_tensor(users, dtype=torch.long).flatten()
+        if len(self.users) and (self.users.min() < 0 or self.users.max() >= rows):
+            raise ValueError(f"users must be in 0..{rows - 1}")
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        user = self.users[index]
+        return {"user": user, **{name: value[user] for name, value in self.fields.items()}}

@@ -1,0 +1,25 @@
+"""User errors: one line naming the flag, path or value and what would be valid, then exit 2."""
+
+import functools
+import os
+import sys
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line naming the flag/path/value and what would be valid."""
+
+
+def exit_on_usage_error(main):
+    """Wrap a recipe's main(): a UsageError becomes `error: <message>` on stderr and exit status 2, no traceback."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UsageError as error:
+            rank = os.environ.get("RANK", "0")
+            prefix = "" if rank == "0" else f"[rank {rank}] "
+            print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    return wrapper

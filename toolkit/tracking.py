@@ -1,0 +1,184 @@
+"""What a run records: trackers (W&B, TensorBoard, a CSV log), metrics.csv, summary.json and curves.png.
+
+Everything here writes from the main process only; metrics arrive already reduced over all ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import netrc
+import os
+from pathlib import Path
+
+from accelerate.tracking import GeneralTracker
+
+from toolkit.errors import UsageError
+
+METRICS_FILE = "metrics.csv"
+LOG_FILE = "log.csv"
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "curves.png"
+
+# metrics.csv columns around the recipe's own validation metrics (which go between train_loss and the timings).
+LEADING_COLUMNS = ["epoch", "step", "train_loss"]
+TRAILING_COLUMNS = [
+    "epoch_time_sec",
+    "throughput_samples_per_sec",
+    "data_load_time_sec",
+    "compute_time_sec",
+    "cpu_util_avg",
+    "gpu_util_avg",
+    "world_size",
+]
+
+
+class CSVTracker(GeneralTracker):
+    """`--log-with csv`: every logged value as a `step,name,value` row of log.csv in the run directory."""
+
+    name = "csv"
+    requires_logging_directory = False
+
+    def __init__(self, run_dir: Path):
+        super().__init__()
+        self.path = Path(run_dir) / LOG_FILE
+
+    @property
+    def tracker(self):
+        return self.path
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as handle:
+            writer = csv.writer(handle)
+            if new:
+                writer.writerow(["step", "name", "value"])
+            for name, value in values.items():
+                writer.writerow([step, name, repr(value) if isinstance(value, float) else value])
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def tracker_choice(log_with: str, run_dir: Path, is_main: bool) -> list:
+    """What to pass as Accelerator(log_with=...). Makes W&B offline when it has no credentials."""
+    if log_with == "none":
+        return []
+    if log_with == "csv":
+        return [CSVTracker(run_dir)]
+    if log_with == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                raise UsageError(
+                    "--log-with tensorboard needs the tensorboard package (pip install tensorboard); "
+                    "or use --log-with wandb, csv or none"
+                ) from None
+        return ["tensorboard"]
+    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
+        os.environ["WANDB_MODE"] = "offline"
+        if is_main:
+            print(
+                f"wandb: no W&B credentials found, logging offline under {run_dir}/wandb; "
+                f"upload later with: wandb sync {run_dir}/wandb/offline-run-*",
+                flush=True,
+            )
+    return ["wandb"]
+
+
+def tracker_init_kwargs(run_dir: Path, run_name: str, run_id: str) -> dict:
+    # The same id with resume="allow" makes a resumed run continue the same W&B run.
+    return {"wandb": {"dir": str(run_dir), "name": run_name, "id": run_id, "resume": "allow"}}
+
+
+class MetricsFile:
+    """metrics.csv: one row per evaluation; the columns are fixed by the first row written."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS_FILE
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, newline="") as handle:
+            return list(csv.DictReader(handle))
+
+    def append(self, row: dict) -> None:
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def truncate_after_step(path: Path, step: int) -> None:
+    """On resume, drop rows a crashed life wrote after the checkpoint's step: the resumed run writes them again."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        fields = reader.fieldnames or []
+        rows = [row for row in reader if row.get("step") in ("", None) or int(row["step"]) <= step]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def plot_curves(run_dir: Path, main_metric: str) -> Path | None:
+    """curves.png: training loss and the main validation metric against the optimizer step."""
+    rows = MetricsFile(run_dir).rows()
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(name):
+        points = [(int(r["step"]), float(r[name])) for r in rows if r.get(name) not in ("", None)]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(*series("train_loss"), marker="o", markersize=3)
+    ax_loss.set(xlabel="optimizer step", ylabel="train loss", title="Training loss (epoch mean)")
+    if main_metric in rows[0]:
+        ax_metric.plot(*series(main_metric), marker="o", markersize=3, color="tab:green")
+    ax_metric.set(xlabel="optimizer step", ylabel=main_metric, title=f"Validation {main_metric}")
+    for ax in (ax_loss, ax_metric):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(run_dir) / CURVES_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_table(title: str, metrics: dict) -> str:
+    """A small aligned table for the console."""
+    width = max(len(k) for k in metrics) if metrics else 0
+    lines = [title, "-" * max(len(title), width + 12)]
+    for name, value in metrics.items():
+        shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else str(value)
+        lines.append(f"{name:<{width}}  {shown:>10}")
+    return "\n".join(lines)
