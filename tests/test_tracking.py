@@ -1,8 +1,10 @@
 """W&B: offline by itself without credentials, the run files hold the config, a resume continues the same run."""
 
+import json
+
 import pytest
-import yaml
 from conftest import TINY, read_json, run_recipe
+from wandb_records import run_config
 
 pytestmark = pytest.mark.slow
 
@@ -18,11 +20,12 @@ def test_wandb_offline_run_holds_config_and_resume_keeps_its_id(tmp_path, moviel
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_id = read_json(out / "config.json")["run_id"]
-    assert (runs[0] / f"run-{run_id}.wandb").stat().st_size > 0
-    config = yaml.safe_load((runs[0] / "files" / "config.yaml").read_text())
-    assert config["batch_size"]["value"] == 64 and config["variant"]["value"] == "sasrec"
-    assert config["world_size"]["value"] == 1
+    recorded_id, config = run_config(runs[0] / f"run-{run_id}.wandb")
+    assert recorded_id == run_id
+    assert json.loads(config["batch_size"]) == 64 and json.loads(config["variant"]) == "sasrec"
+    assert json.loads(config["world_size"]) == 1 and json.loads(config["max_steps"]) == 2
 
     run_recipe([*args, "--max-steps", "4", "--output-dir", str(out), "--resume-from", "auto"], env=env)
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").exists() for r in runs)
+    assert run_config(runs[1] / f"run-{run_id}.wandb")[0] == run_id  # the resumed life continues the same run

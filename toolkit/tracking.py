@@ -67,10 +67,10 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def tracker_choice(log_with: str, run_dir: Path, is_main: bool) -> list:
+def tracker_choice(log_with: str, run_dir: Path, is_main: bool) -> list | None:
     """What to pass as Accelerator(log_with=...). Makes W&B offline when it has no credentials."""
     if log_with == "none":
-        return []
+        return None
     if log_with == "csv":
         return [CSVTracker(run_dir)]
     if log_with == "tensorboard":
