@@ -68,9 +68,42 @@ def ranks_seen(output: str) -> set[tuple[int, int]]:
 def movielens_cache() -> Path:
     """Fetch and prepare MovieLens-100K once (the recbole wheel from PyPI when GroupLens is unreachable)."""
     from filelock import FileLock
+
     from toolkit.data.movielens import prepare_movielens
 
     DATA_CACHE.mkdir(parents=True, exist_ok=True)
     with FileLock(str(DATA_CACHE / ".prepare.lock")):  # pytest-xdist workers share the cache
         prepare_movielens("ml-100k", None, DATA_CACHE)
     return DATA_CACHE
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_machines(args: list[str], *, config: str, machines: int = 2, recipe: str = "sasrec",
+                    timeout: float = 600, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Start one `accelerate launch` per "machine" on this host (machine_rank 0..machines-1, 127.0.0.1), as
+    one would on each node of a cluster; they rendezvous into one process group."""
+    port = str(free_port())
+    script = str(ROOT / "recipes" / f"{recipe}.py")
+    procs = []
+    for rank in range(machines):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+                   "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                   script, *args]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    for result in results:
+        if result.returncode != 0:
+            raise AssertionError(f"machine exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
+                                 f"\n--- stderr\n{result.stderr[-5000:]}")
+    return results

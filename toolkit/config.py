@@ -66,6 +66,8 @@ class TrainConfig:
     """torch.compile the model (inductor)."""
     dist_timeout: float = 600.0
     """Seconds a collective may wait for a lost or stuck rank before the run fails."""
+    max_requeues: int = 3
+    """On SIGUSR1 (pre-emption / time limit) the run checkpoints and requeues its SLURM job at most this often."""
 
 
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)
@@ -112,7 +114,7 @@ def validate(config: TrainConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be a positive integer")
     if config.max_steps is not None and config.max_steps < 1:
         raise UsageError(f"--max-steps {config.max_steps} is invalid; give a positive number of steps or omit it")
-    for name in ["checkpoint_every", "num_workers"]:
+    for name in ["checkpoint_every", "num_workers", "max_requeues"]:
         if getattr(config, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(config, name)} is invalid; it must be >= 0")
     if not config.lr > 0:

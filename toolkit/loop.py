@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint
+from toolkit import checkpoint, preemption
 from toolkit.randomness import step_seed
 from toolkit.run import Run
 from toolkit.tracking import (
@@ -168,10 +168,24 @@ class TrainingLoop:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
         if torch.cuda.is_available():
             self._timer.gpu_util.append(_gpu_utilisation())
+        if preemption.requested_anywhere(self.accelerator):
+            self._checkpoint_requeue_and_exit()
         if cfg.max_steps is not None and progress.global_step >= cfg.max_steps:
             self.stopped = True
         elif cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0:
             self.save()
+
+    def _checkpoint_requeue_and_exit(self) -> None:
+        """Pre-empted (SIGUSR1): a complete checkpoint of this step, requeue (main process), every rank exits 0."""
+        self.save()
+        if self.run.is_main:
+            outcome = preemption.requeue_job(self.config.max_requeues)
+            tqdm.write(f"pre-empted at step {self.progress.global_step}: checkpoint saved; {outcome}")
+        self.accelerator.wait_for_everyone()
+        if self._bar is not None:
+            self._bar.close()
+        self.accelerator.end_training()
+        raise SystemExit(0)
 
     # ---- epoch end: evaluate, record, checkpoint ----------------------------------------------------------
     def end_epoch(self, evaluate) -> dict | None:

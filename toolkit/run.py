@@ -24,7 +24,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
-from toolkit import checkpoint
+from toolkit import checkpoint, preemption
 from toolkit.config import TrainConfig
 from toolkit.errors import UsageError
 from toolkit.tracking import tracker_choice, tracker_init_kwargs, write_json
@@ -84,6 +84,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
             "train in fp32; use --mixed-precision bf16 or no"
         )
     set_seed(config.seed, deterministic=config.deterministic)
+    preemption.install_handler()
 
     run = Run(accelerator, config, recipe, output_dir, run_name, run_id, resume_checkpoint)
     _announce_rank(accelerator)
