@@ -19,7 +19,7 @@ install: $(BIN)/.installed
 
 # Train SASRec on MovieLens-100K on this machine and print the test metrics.
 run: install
-	$(BIN)/python recipes/sasrec.py --log-with csv
+	$(BIN)/python recipes/sasrec.py
 
 test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15 tests

@@ -132,7 +132,7 @@ class HyperConnection(nn.Module):
     def __init__(self, hidden: int, streams: int, main_stream: int, sinkhorn_iters: int):
         super().__init__()
         n, self.sinkhorn_iters = streams, sinkhorn_iters
-        # The dynamic parts start at zero so a fresh mHC model equals the plain one (see reset_parameters).
+        # The dynamic parts start at zero so a fresh mHC model computes exactly what the plain one computes.
         self.w_pre = nn.Parameter(torch.zeros(n * hidden, n))
         self.w_post = nn.Parameter(torch.zeros(n * hidden, n))
         self.w_res = nn.Parameter(torch.zeros(n * hidden, n * n))
