@@ -1,0 +1,126 @@
+"""`python -m toolkit verify RUN_DIR` on a real finished run of the SASRec recipe, and on damaged copies of it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY, recipe_env, run_recipe
+
+from toolkit.verify import verify_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, movielens_cache) -> Path:
+    out = tmp_path_factory.mktemp("verify") / "run"
+    run_recipe([*TINY, "--max-steps", "3", "--output-dir", str(out)])
+    return out
+
+
+@pytest.fixture
+def damaged(finished_run, tmp_path):
+    """A copy of the finished run to damage (also moves it: recorded absolute paths no longer point inside)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+def verify_cli(run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "toolkit", "verify", str(run_dir), *flags]
+    return subprocess.run(command, cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=120)
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def has(problems: list[str], *fragments: str) -> bool:
+    return any(all(f in p for f in fragments) for p in problems)
+
+
+def test_finished_run_passes(finished_run):
+    result = verify_cli(finished_run)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ["files", "completion", "metrics", "results", "checkpoints", "world_size", "throughput"]:
+        assert f"OK    {check}" in result.stdout
+    assert "verify: OK" in result.stdout
+    assert "steps 3 (max_steps 3)" in result.stdout and "world size 1" in result.stdout
+    assert "samples/s" in result.stdout and "wall time" in result.stdout
+    assert verify_run(finished_run) == []
+    assert verify_run(finished_run, expect_world_size=1, expect_backend="none") == []
+
+
+def test_moved_copy_still_passes(damaged):
+    assert verify_run(damaged) == []  # the checkpoints are looked up inside the run dir, not at recorded paths
+
+
+def test_missing_metrics_csv(damaged):
+    (damaged / "metrics.csv").unlink()
+    result = verify_cli(damaged)
+    assert result.returncode == 1
+    assert "FAIL  files        metrics.csv is missing" in result.stdout
+    assert "verify: 1 problem(s): files: metrics.csv is missing" in result.stdout
+    assert verify_run(damaged) == ["files: metrics.csv is missing"]
+
+
+def test_final_checkpoint_without_complete_marker(damaged):
+    (damaged / "checkpoints" / "step_3" / "COMPLETE").unlink()
+    problems = verify_run(damaged)
+    assert has(problems, "checkpoints:", "final checkpoint", "step_3", "incomplete")
+    assert has(problems, "best checkpoint", "step_3", "incomplete")  # step 3 is also the best one
+    assert verify_cli(damaged).returncode == 1
+
+
+def test_world_size_disagreement(damaged):
+    edit_json(damaged / "summary.json", world_size=2)
+    problems = verify_run(damaged)
+    assert has(problems, "world_size disagrees", "config.json, metrics.csv line 2 say(s) 1", "summary.json say(s) 2")
+
+
+def test_expect_world_size_2_on_a_one_process_run(finished_run):
+    result = verify_cli(finished_run, "--expect-world-size", "2")
+    assert result.returncode == 1
+    assert "FAIL  world_size" in result.stdout and "expected world size 2, the run had 1" in result.stdout
+    assert verify_run(finished_run, expect_backend="gloo") == ["backend: expected backend gloo, config.json says none"]
+
+
+def test_unfinished_and_non_finite_values(damaged):
+    edit_json(
+        damaged / "config.json", config={**json.loads((damaged / "config.json").read_text())["config"], "max_steps": 5}
+    )
+    path = damaged / "metrics.csv"
+    rows = list(csv.DictReader(open(path)))
+    rows[-1]["train_loss"] = "nan"
+    rows[-1]["throughput_samples_per_sec"] = "0"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = json.loads((damaged / "summary.json").read_text())
+    edit_json(damaged / "summary.json", best_metrics={**summary["best_metrics"], "val_full_ndcg@10": None})
+    problems = verify_run(damaged)
+    assert has(problems, "completion:", "global_step 3 != config max_steps 5")
+    assert has(problems, "metrics:", "train_loss", "not finite")
+    assert has(problems, "throughput:", "not > 0")
+    assert has(problems, "results:", "best_metrics", "val_full_ndcg@10")
+
+
+def test_not_a_directory_is_a_usage_error(tmp_path):
+    result = verify_cli(tmp_path / "nowhere")
+    assert result.returncode == 2 and "nowhere" in result.stderr and "not a directory" in result.stderr
+
+
+def test_two_process_run_passes_with_its_world_size_and_backend(tmp_path, movielens_cache):
+    out = tmp_path / "run"
+    run_recipe([*TINY, "--max-steps", "2", "--output-dir", str(out)], config="cpu_2proc.yaml")
+    assert verify_run(out, expect_world_size=2, expect_backend="gloo") == []
+    assert has(verify_run(out, expect_world_size=1), "expected world size 1, the run had 2")

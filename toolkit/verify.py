@@ -1,0 +1,404 @@
+"""`python -m toolkit verify RUN_DIR`: did this run finish, and is what it wrote consistent?
+
+Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py), e.g. after a SLURM job:
+
+    files        config.json, summary.json parse; metrics.csv parses; curves.png is a PNG
+    completion   summary epochs_completed == config epochs; with config max_steps: global_step == max_steps
+                 (or every epoch done before reaching it)
+    metrics      metrics.csv has rows and the toolkit's columns plus val_* ones; steps strictly increase and end at
+                 global_step; train_loss finite in every row
+    results      final_metrics and best_metrics present, numbers finite (test_metrics_at_best too, when present)
+    checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker)
+    world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size)
+    backend      config.json's backend is --expect-backend (only with that flag; `none` = a single process)
+    throughput   throughput_samples_per_sec > 0 in every row; wall_time_sec > 0
+
+Prints a line per check (OK/FAIL and the problems), then the key figures; exits 0 when all is well, else 1.
+`verify_run(run_dir, expect_world_size=None, expect_backend=None)` returns the problems as a list (empty = fine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit import checkpoint
+from toolkit.errors import UsageError
+from toolkit.tracking import (
+    CURVES_FILE,
+    LEADING_COLUMNS,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TRAILING_COLUMNS,
+)
+
+CONFIG_FILE = "config.json"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory (holds config.json)")
+    parser.add_argument(
+        "--expect-world-size", type=int, default=None, metavar="N", help="fail unless the run used exactly N processes"
+    )
+    parser.add_argument(
+        "--expect-backend",
+        default=None,
+        metavar="NAME",
+        help="fail unless the run's backend was NAME (gloo, nccl; none = a single process)",
+    )
+
+
+@dataclass
+class Check:
+    name: str
+    problems: list[str] = field(default_factory=list)
+    skipped: str | None = None  # why it could not run (its inputs are missing; reported under `files`)
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    checks: list[Check]
+    figures: dict
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{c.name}: {p}" for c in self.checks for p in c.problems]
+
+
+def verify_run(
+    run_dir: Path | str, expect_world_size: int | None = None, expect_backend: str | None = None
+) -> list[str]:
+    """Everything missing or wrong in a finished run directory, as `check: problem` lines (empty = fine)."""
+    return inspect_run(run_dir, expect_world_size, expect_backend).problems
+
+
+def inspect_run(run_dir: Path | str, expect_world_size: int | None = None, expect_backend: str | None = None) -> Report:
+    run_dir = Path(run_dir)
+    files = Check("files")
+    config = _read_json(run_dir / CONFIG_FILE, files)
+    summary = _read_json(run_dir / SUMMARY_FILE, files)
+    rows, columns = _read_metrics(run_dir / METRICS_FILE, files)
+    curves = run_dir / CURVES_FILE
+    if not curves.is_file():
+        files.problems.append(f"{CURVES_FILE} is missing")
+    elif not curves.read_bytes()[:8] == PNG_SIGNATURE:
+        files.problems.append(f"{CURVES_FILE} is not a PNG image")
+
+    checks = [
+        files,
+        _completion(config, summary),
+        _metrics(rows, columns, summary),
+        _results(summary),
+        _checkpoints(run_dir, summary),
+        _world_size(config, summary, rows, expect_world_size),
+        _backend(config, expect_backend),
+        _throughput(rows, summary),
+    ]
+    return Report(run_dir, checks, _figures(config, summary, rows))
+
+
+# ---- reading ---------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, files: Check) -> dict | None:
+    if not path.is_file():
+        files.problems.append(f"{path.name} is missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        files.problems.append(f"{path.name} does not parse as JSON ({error})")
+        return None
+    if not isinstance(data, dict):
+        files.problems.append(f"{path.name} is not a JSON object")
+        return None
+    return data
+
+
+def _read_metrics(path: Path, files: Check) -> tuple[list[dict] | None, list[str]]:
+    if not path.is_file():
+        files.problems.append(f"{METRICS_FILE} is missing")
+        return None, []
+    try:
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
+    except (csv.Error, UnicodeDecodeError) as error:
+        files.problems.append(f"{METRICS_FILE} does not parse as CSV ({error})")
+        return None, []
+    if any(None in row for row in rows):  # more cells than header columns
+        files.problems.append(f"{METRICS_FILE} has rows with more cells than its header")
+    return rows, columns
+
+
+def _number(value) -> float | None:
+    """A finite float, or None (missing, empty, not a number, nan, inf)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _integer(value) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number == int(number) else None
+
+
+def _skip(name: str, *needs: tuple[str, object]) -> Check | None:
+    missing = [what for what, value in needs if value is None]
+    if missing:
+        return Check(name, skipped=f"needs {', '.join(missing)}")
+    return None
+
+
+# ---- the checks --------------------------------------------------------------------------------------------------
+
+
+def _completion(config: dict | None, summary: dict | None) -> Check:
+    check = _skip("completion", (CONFIG_FILE, config), (SUMMARY_FILE, summary))
+    if check:
+        return check
+    check = Check("completion")
+    settings = config.get("config") if isinstance(config.get("config"), dict) else {}
+    epochs, max_steps = _integer(settings.get("epochs")), _integer(settings.get("max_steps"))
+    done_epochs, step = _integer(summary.get("epochs_completed")), _integer(summary.get("global_step"))
+    if step is None:
+        check.problems.append(f"{SUMMARY_FILE} has no global_step")
+    if done_epochs is None:
+        check.problems.append(f"{SUMMARY_FILE} has no epochs_completed")
+    if epochs is None:
+        check.problems.append(f"{CONFIG_FILE} has no config.epochs")
+    if check.problems:
+        return check
+    if max_steps is not None:
+        # Stopped at --max-steps; or every epoch ended before that many steps (a run shorter than max_steps).
+        if step != max_steps and done_epochs != epochs:
+            check.problems.append(
+                f"global_step {step} != config max_steps {max_steps} (and {done_epochs} of {epochs} epochs completed)"
+            )
+    elif done_epochs != epochs:
+        check.problems.append(f"epochs_completed {done_epochs} != config epochs {epochs}")
+    return check
+
+
+def _metrics(rows: list[dict] | None, columns: list[str], summary: dict | None) -> Check:
+    check = _skip("metrics", (METRICS_FILE, rows))
+    if check:
+        return check
+    check = Check("metrics")
+    missing = [c for c in LEADING_COLUMNS + TRAILING_COLUMNS if c not in columns]
+    if missing:
+        check.problems.append(f"{METRICS_FILE} lacks column(s) {', '.join(missing)}")
+    if not any(c.startswith("val_") for c in columns):
+        check.problems.append(f"{METRICS_FILE} has no val_* column")
+    if not rows:
+        check.problems.append(f"{METRICS_FILE} has no rows")
+        return check
+    steps = [_integer(row.get("step")) for row in rows]
+    bad = [i + 2 for i, s in enumerate(steps) if s is None]  # +2: the CSV line (header is line 1)
+    if bad:
+        check.problems.append(f"{METRICS_FILE} line(s) {bad} have no integer step")
+    known = [s for s in steps if s is not None]
+    if any(b <= a for a, b in zip(known, known[1:], strict=False)):
+        check.problems.append(f"{METRICS_FILE} steps do not strictly increase: {known}")
+    final_step = _integer(summary.get("global_step")) if summary else None
+    if known and final_step is not None and known[-1] != final_step:
+        check.problems.append(f"{METRICS_FILE}'s last step {known[-1]} != summary global_step {final_step}")
+    if "train_loss" in columns:
+        bad = [i + 2 for i, row in enumerate(rows) if _number(row.get("train_loss")) is None]
+        if bad:
+            check.problems.append(f"{METRICS_FILE} train_loss is missing or not finite on line(s) {bad}")
+    return check
+
+
+def _results(summary: dict | None) -> Check:
+    check = _skip("results", (SUMMARY_FILE, summary))
+    if check:
+        return check
+    check = Check("results")
+    for key, required in (("final_metrics", True), ("best_metrics", True), ("test_metrics_at_best", False)):
+        metrics = summary.get(key)
+        if not metrics:
+            if required:
+                check.problems.append(f"{SUMMARY_FILE} has no {key}")
+            continue
+        if not isinstance(metrics, dict):
+            check.problems.append(f"{SUMMARY_FILE} {key} is not an object")
+            continue
+        bad = [name for name, value in metrics.items() if _number(value) is None]
+        if bad:
+            check.problems.append(f"{SUMMARY_FILE} {key} not finite numbers: {', '.join(bad)}")
+    return check
+
+
+def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
+    check = _skip("checkpoints", (SUMMARY_FILE, summary))
+    if check:
+        return check
+    check = Check("checkpoints")
+    root = checkpoint.checkpoints_root(run_dir)
+    step = _integer(summary.get("global_step"))
+    best_step = _integer(summary.get("best_step"))
+    recorded = summary.get("best_checkpoint")
+    if best_step is None and recorded:
+        best_step = checkpoint.step_of(Path(recorded))
+    # The recorded path may be relative to where the run was started, or the run dir moved since: look inside it.
+    wanted = [("best", best_step), ("final", step)]
+    if best_step is None:
+        check.problems.append(f"{SUMMARY_FILE} names no best checkpoint (best_step / best_checkpoint)")
+        wanted = wanted[1:]
+    for what, number in wanted:
+        if number is None:
+            continue
+        path = root / f"step_{number}"
+        if not path.is_dir():
+            check.problems.append(f"the {what} checkpoint {path.relative_to(run_dir)} is missing")
+        elif not checkpoint.is_complete(path):
+            check.problems.append(
+                f"the {what} checkpoint {path.relative_to(run_dir)} is incomplete (no {checkpoint.MARKER} marker or "
+                f"{checkpoint.PROGRESS_FILE}: its save was interrupted)"
+            )
+        elif what == "final":
+            try:
+                saved = _integer(checkpoint.read_progress(path).get("global_step"))
+            except (OSError, json.JSONDecodeError):
+                saved = None
+            if saved != number:
+                check.problems.append(f"{path.relative_to(run_dir)}/{checkpoint.PROGRESS_FILE} says step {saved}")
+    return check
+
+
+def _world_size(
+    config: dict | None, summary: dict | None, rows: list[dict] | None, expect_world_size: int | None
+) -> Check:
+    check = Check("world_size")
+    seen: dict[str, int | None] = {}
+    if config is not None:
+        seen[CONFIG_FILE] = _integer(config.get("world_size"))
+    if summary is not None:
+        seen[SUMMARY_FILE] = _integer(summary.get("world_size"))
+    for i, row in enumerate(rows or []):
+        seen[f"{METRICS_FILE} line {i + 2}"] = _integer(row.get("world_size"))
+    if not seen:
+        return Check("world_size", skipped=f"needs {CONFIG_FILE}, {SUMMARY_FILE} or {METRICS_FILE}")
+    for name, value in seen.items():
+        if value is None or value < 1:
+            check.problems.append(f"{name} has no valid world_size")
+    sizes = {v for v in seen.values() if v is not None}
+    if len(sizes) > 1:
+        by_size: dict[int, list[str]] = {}
+        for name, value in seen.items():
+            if value is not None:
+                by_size.setdefault(value, []).append(name)
+        check.problems.append(
+            "world_size disagrees: " + "; ".join(f"{', '.join(names)} say(s) {size}" for size, names in by_size.items())
+        )
+    if expect_world_size is not None and sizes != {expect_world_size}:
+        check.problems.append(
+            f"expected world size {expect_world_size}, the run had "
+            f"{', '.join(map(str, sorted(sizes))) or 'none recorded'}"
+        )
+    return check
+
+
+def _backend(config: dict | None, expect_backend: str | None) -> Check:
+    if expect_backend is None:
+        return Check("backend", skipped="no --expect-backend given")
+    check = _skip("backend", (CONFIG_FILE, config))
+    if check:
+        return check
+    check = Check("backend")
+    backend = config.get("backend") or "none"
+    if str(backend).lower() != expect_backend.lower():
+        check.problems.append(f"expected backend {expect_backend}, {CONFIG_FILE} says {backend}")
+    return check
+
+
+def _throughput(rows: list[dict] | None, summary: dict | None) -> Check:
+    check = _skip("throughput", (METRICS_FILE, rows))
+    if check:
+        return check
+    check = Check("throughput")
+    bad = [i + 2 for i, row in enumerate(rows) if not (_number(row.get("throughput_samples_per_sec")) or 0) > 0]
+    if bad:
+        check.problems.append(f"{METRICS_FILE} throughput_samples_per_sec is not > 0 on line(s) {bad}")
+    if summary is not None and not (_number(summary.get("wall_time_sec")) or 0) > 0:
+        check.problems.append(f"{SUMMARY_FILE} wall_time_sec is not > 0")
+    return check
+
+
+def _figures(config: dict | None, summary: dict | None, rows: list[dict] | None) -> dict:
+    config, summary, rows = config or {}, summary or {}, rows or []
+    settings = config.get("config") if isinstance(config.get("config"), dict) else {}
+    throughputs = [t for t in (_number(r.get("throughput_samples_per_sec")) for r in rows) if t is not None]
+    best = summary.get("best_metrics") if isinstance(summary.get("best_metrics"), dict) else {}
+    return {
+        "recipe": config.get("recipe") or summary.get("recipe"),
+        "global_step": summary.get("global_step"),
+        "max_steps": settings.get("max_steps"),
+        "epochs_completed": summary.get("epochs_completed"),
+        "epochs": settings.get("epochs"),
+        "world_size": summary.get("world_size", config.get("world_size", rows[-1].get("world_size") if rows else None)),
+        "backend": config.get("backend"),
+        "device": config.get("device"),
+        "mixed_precision": config.get("mixed_precision"),
+        "best_step": summary.get("best_step"),
+        "best_metrics": best,
+        "throughput_samples_per_sec": sum(throughputs) / len(throughputs) if throughputs else None,
+        "wall_time_sec": summary.get("wall_time_sec"),
+    }
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+
+
+def format_report(report: Report) -> str:
+    lines = [f"verify {report.run_dir}"]
+    for check in report.checks:
+        if check.skipped and not check.problems:
+            lines.append(f"  --    {check.name:<12} skipped: {check.skipped}")
+        elif check.problems:
+            lines.append(f"  FAIL  {check.name:<12} {check.problems[0]}")
+            lines.extend(f"        {'':<12} {p}" for p in check.problems[1:])
+        else:
+            lines.append(f"  OK    {check.name}")
+    f = report.figures
+    steps = f"{f['global_step']}" + (f" (max_steps {f['max_steps']})" if f["max_steps"] is not None else "")
+    best = ", ".join(f"{k} {_short(v)}" for k, v in list(f["best_metrics"].items())[:4]) or "none"
+    throughput = f["throughput_samples_per_sec"]
+    lines += [
+        f"  steps {steps}; epochs {f['epochs_completed']} of {f['epochs']}; world size {f['world_size']}; "
+        f"backend {f['backend'] or 'none'}; device {f['device']}; mixed precision {f['mixed_precision']}",
+        f"  best (step {f['best_step']}): {best}",
+        f"  throughput {throughput:.1f} samples/s (mean over metrics rows); wall time {f['wall_time_sec']} s"
+        if throughput is not None
+        else f"  throughput unknown; wall time {f['wall_time_sec']} s",
+    ]
+    problems = report.problems
+    lines.append("verify: OK" if not problems else f"verify: {len(problems)} problem(s): " + "; ".join(problems))
+    return "\n".join(lines)
+
+
+def _short(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"RUN_DIR {run_dir} is not a directory; give a run directory (it holds {CONFIG_FILE})")
+    if args.expect_world_size is not None and args.expect_world_size < 1:
+        raise UsageError(f"--expect-world-size {args.expect_world_size}: give a positive number of processes")
+    report = inspect_run(run_dir, args.expect_world_size, args.expect_backend)
+    print(format_report(report), flush=True)
+    return 0 if not report.problems else 1
