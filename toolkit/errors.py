@@ -10,16 +10,25 @@ class UsageError(Exception):
 
 
 def exit_on_usage_error(main):
-    """Wrap a recipe's main(): a UsageError becomes `error: <message>` on stderr and exit status 2, no traceback."""
+    """Wrap a recipe's main(): a UsageError becomes `error: <message>` on stderr and exit status 2; losing another
+    rank mid-run (it died, or hung past --dist-timeout) becomes one line naming it and exit status 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if rank == "0" else f"[rank {rank}] "
         try:
             return main(*args, **kwargs)
         except UsageError as error:
-            rank = os.environ.get("RANK", "0")
-            prefix = "" if rank == "0" else f"[rank {rank}] "
             print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except Exception as error:
+            from toolkit.distributed import lost_peers_message
+
+            message = lost_peers_message(error)
+            if message is None:
+                raise
+            print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     return wrapper

@@ -26,6 +26,7 @@ from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, broad
 
 from toolkit import checkpoint, preemption
 from toolkit.config import TrainConfig
+from toolkit.distributed import watch_peers
 from toolkit.errors import UsageError
 from toolkit.tracking import tracker_choice, tracker_init_kwargs, write_json
 
@@ -87,6 +88,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
     preemption.install_handler()
 
     run = Run(accelerator, config, recipe, output_dir, run_name, run_id, resume_checkpoint)
+    watch_peers(accelerator.process_index, accelerator.num_processes, output_dir)
     _announce_rank(accelerator)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
