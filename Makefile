@@ -22,7 +22,7 @@ run: install
 	$(BIN)/python recipes/sasrec.py
 
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15 tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,54 @@ def launch_machines(args: list[str], *, config: str, machines: int = 2, recipe: 
             raise AssertionError(f"machine exited {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
                                  f"\n--- stderr\n{result.stderr[-5000:]}")
     return results
+
+
+# ---- the local SLURM cluster (slurm/local_cluster.sh), shared by every xdist worker --------------------------
+
+CLUSTER_DIR = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/toolkit-slurm"))
+USERS = CLUSTER_DIR / "pytest-users.json"
+
+
+def cluster(action: str) -> subprocess.CompletedProcess:
+    # start may install packages first: minutes on a slow mirror.
+    script = str(ROOT / "slurm" / "local_cluster.sh")
+    return subprocess.run(["bash", script, action], capture_output=True, text=True, timeout=900)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+@contextmanager
+def users_locked():
+    """The pytest processes using the cluster now, read and rewritten under a lock: xdist workers share one
+    cluster, so the last one out stops it (`--dist loadgroup` does not keep the group on one worker under
+    pytest 9.2 with xdist 3.8: pytest-xdist #1386)."""
+    CLUSTER_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CLUSTER_DIR / "pytest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = json.loads(USERS.read_text()) if USERS.exists() else {"users": [], "owned": False}
+        state["users"] = [pid for pid in state["users"] if pid != os.getpid() and alive(pid)]
+        yield state
+        USERS.write_text(json.dumps(state))
+
+
+@pytest.fixture(scope="session")
+def slurm_env() -> dict:
+    with users_locked() as state:
+        if not state["users"]:
+            # A cluster that was up before the tests (started by hand) is left running afterwards.
+            state["owned"] = cluster("status").returncode != 0
+        started = cluster("start")
+        if started.returncode == 2:
+            pytest.skip(started.stderr.strip().splitlines()[-1])
+        assert started.returncode == 0, f"local_cluster.sh start failed\n{started.stdout}\n{started.stderr}"
+        state["users"].append(os.getpid())
+    yield {**os.environ, "SLURM_CONF": str(CLUSTER_DIR / "slurm.conf")}
+    with users_locked() as state:
+        if not state["users"] and state["owned"]:
+            cluster("stop")

@@ -34,6 +34,7 @@ class PeerWatch:
     """
 
     def __init__(self, rank: int, world_size: int, interval: float = 1.0):
+        import atexit
         import socket
         import threading
 
@@ -43,7 +44,11 @@ class PeerWatch:
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set(f"toolkit/host/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         self._stop = threading.Event()
-        threading.Thread(target=self._beat, name="toolkit-peer-watch", daemon=True).start()
+        self._thread = threading.Thread(target=self._beat, name="toolkit-peer-watch", daemon=True)
+        self._thread.start()
+        # A thread still inside a store call while the interpreter tears the store down aborts the process
+        # ("terminate called without an active exception"): stop and join it first.
+        atexit.register(self.stop)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
@@ -65,6 +70,7 @@ class PeerWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=10 * self.interval)
 
 
 _watch: PeerWatch | None = None
