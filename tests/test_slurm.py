@@ -52,6 +52,12 @@ def wait_for(condition, timeout=300, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _nodes_idle(cluster):
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=_env(cluster), capture_output=True,
+                            text=True).stdout.split()
+    return bool(states) and all(state == "idle" for state in states)
+
+
 def _read(path):
     return path.read_text() if path.exists() else ""
 
@@ -104,6 +110,9 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted(cluster, tmp_p
     # The workers checkpoint and the main process requeues: the job goes back to PENDING with one restart.
     wait_for(lambda: job_field(cluster, job, "Restarts") == "1", what="the requeue")
     wait_for(lambda: job_field(cluster, job, "JobState") == "PENDING", what="the requeued job to be pending")
+    # Release it early (SLURM would wait ~120 s), but only once the first life has left the nodes: a job started
+    # while its old credential is still being revoked is killed ("Job credential revoked").
+    wait_for(lambda: _nodes_idle(cluster), what="the nodes to finish cleaning up")
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=_env(cluster), check=True)
     state = wait_for(lambda: (s := job_field(cluster, job, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED")
                      and s, timeout=600, what="the requeued job to finish")
