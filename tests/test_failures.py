@@ -50,3 +50,36 @@ def test_killed_rank_is_named_and_the_run_resumes(tmp_path, movielens_cache):
     assert f"resuming from {newest}" in resumed.stdout.replace("\n", " ") or newest.name in resumed.stdout
     assert (out / "checkpoints" / f"step_{checkpoint.step_of(newest) + 5}" / "COMPLETE").exists()
     assert re.search(r"resumed at epoch \d+, batch \d+, step \d+", resumed.stdout)
+
+
+def test_machines_launched_with_different_process_counts_get_one_line(tmp_path):
+    port = str(free_port())
+    machines = []
+    for rank, processes in ((0, "4"), (1, "2")):  # machine 0 thinks 2 per machine, machine 1 thinks 1
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(CONFIGS / "2node_cpu.yaml"), "--num_processes", processes, "--machine_rank", str(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, str(ROOT / "recipes" / "sasrec.py"),
+                   *TINY, "--output-dir", str(tmp_path / "run")]
+        machines.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(), stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))
+    outputs = [m.communicate(timeout=300) for m in machines]
+    assert all(m.returncode != 0 for m in machines)
+    errors = [line for _, err in outputs for line in err.splitlines() if "error: the machines" in line]
+    assert errors and "machine 0: 2, machine 1: 1" in errors[0] and "world size 3" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_port_in_use_on_the_head_node_names_the_port(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2node_cpu.yaml"),
+             "--machine_rank", "0", "--main_process_port", str(port), str(ROOT / "recipes" / "sasrec.py"), *TINY],
+            cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"port `{port}`" in last and "another process is utilizing it" in last

@@ -20,7 +20,7 @@ def exit_on_usage_error(main):
         try:
             return main(*args, **kwargs)
         except UsageError as error:
-            print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+            _say(f"{prefix}error: {error}")
             raise SystemExit(2) from None
         except Exception as error:
             from toolkit.distributed import lost_peers_message
@@ -28,7 +28,13 @@ def exit_on_usage_error(main):
             message = lost_peers_message(error)
             if message is None:
                 raise
-            print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+            _say(f"{prefix}error: {message}")
             raise SystemExit(1) from None
 
     return wrapper
+
+
+def _say(line: str) -> None:
+    # One write call, so lines of several ranks sharing a pipe do not interleave mid-line.
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())

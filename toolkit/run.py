@@ -57,6 +57,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
     timeout = timedelta(seconds=config.dist_timeout)
     # The process group first (with our timeout), so the main process can choose the run dir and share it.
     state = PartialState(cpu=use_cpu, timeout=timeout)
+    _check_machines_agree(state)
     if config.batch_size % state.num_processes:
         raise UsageError(
             f"--batch-size {config.batch_size} is not divisible by the {state.num_processes} processes; "
@@ -103,6 +104,25 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
     where = f"resuming from {resume_checkpoint}" if resume_checkpoint else "fresh start"
     run.print(f"run {run_name}: {output_dir} ({where}); {accelerator.num_processes} process(es), {accelerator.device}")
     return run
+
+
+def _check_machines_agree(state: PartialState) -> None:
+    """torchrun forms a group even when machines were launched with different --num_processes (it just adds
+    them up): a silently odd world size. Every machine must run the same number of processes."""
+    if state.num_processes == 1:
+        return
+    import torch.distributed as dist
+
+    mine = (int(os.environ.get("GROUP_RANK", "0") or 0), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    views: list = [None] * state.num_processes
+    dist.all_gather_object(views, mine)
+    per_machine = dict(views)
+    if len(set(per_machine.values())) > 1:
+        counts = ", ".join(f"machine {m}: {n}" for m, n in sorted(per_machine.items()))
+        raise UsageError(
+            f"the machines were launched with different process counts ({counts}; world size "
+            f"{state.num_processes}); give every machine the same --num_processes and --num_machines"
+        )
 
 
 def _shared(state: PartialState, make):
