@@ -69,17 +69,31 @@ def test_machines_launched_with_different_process_counts_get_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_port_in_use_on_the_head_node_names_the_port(tmp_path):
+def _toolkit_launch(args, **env):
+    return subprocess.run([sys.executable, "-m", "toolkit", "launch", "--config_file", str(CONFIGS / "2node_cpu.yaml"),
+                           *args, str(ROOT / "recipes" / "sasrec.py"), *TINY],
+                          cwd=ROOT, env=recipe_env(env), capture_output=True, text=True, timeout=300)
+
+
+def test_port_in_use_on_the_head_node_is_one_line(tmp_path):
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2node_cpu.yaml"),
-             "--machine_rank", "0", "--main_process_port", str(port), str(ROOT / "recipes" / "sasrec.py"), *TINY],
-            cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    last = result.stderr.strip().splitlines()[-1]
-    assert f"port `{port}`" in last and "another process is utilizing it" in last
+        result = _toolkit_launch(["--machine_rank", "0", "--main_process_port", str(port)])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and f"port `{port}`" in lines[0], result.stderr
+
+
+def test_unreachable_head_node_is_one_line_within_the_rendezvous_timeout(tmp_path):
+    port = free_port()  # nothing listens there: machine 0 never started
+    started = time.monotonic()
+    result = _toolkit_launch(["--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port",
+                              str(port)], TOOLKIT_RDZV_TIMEOUT="5")
+    assert time.monotonic() - started < 60
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"could not join the run at 127.0.0.1:{port}" in lines[0], result.stderr

@@ -5,15 +5,24 @@ python -m toolkit doctor [--timeout S] [--skip-bandwidth] [--sizes-mb 1 64] [--j
     plain python, `accelerate launch -m toolkit doctor`, `torchrun -m toolkit doctor` and srun
 python -m toolkit verify RUN_DIR [--expect-world-size N] [--expect-backend gloo]
     check a finished run directory: files, steps/epochs, metrics, checkpoints, world size, throughput
+python -m toolkit launch [accelerate launch arguments]
+    accelerate launch with a rendezvous timeout and one-line errors for launch failures
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from toolkit import doctor, verify
-from toolkit.errors import exit_on_usage_error
+if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+    # The launcher's own c10d retry logs (C++ stack frames) would bury its one-line error; read when torch loads,
+    # so it is set before the imports below and removed again in launch.main for the workers.
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    os.environ["_TOOLKIT_QUIET_LAUNCHER"] = "1"
+
+from toolkit import doctor, launch, verify  # noqa: E402
+from toolkit.errors import exit_on_usage_error  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_arguments(verify_parser)
     verify_parser.set_defaults(handler=verify.main)
+    launch_parser = commands.add_parser(
+        "launch", help="accelerate launch with a rendezvous timeout and one-line launch errors", add_help=False
+    )
+    launch_parser.add_argument("arguments", nargs=argparse.REMAINDER, help="exactly what accelerate launch takes")
+    launch_parser.set_defaults(handler=lambda args: launch.main(args.arguments))
     return parser
 
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # everything after it belongs to accelerate launch, options included
+        return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
