@@ -51,7 +51,7 @@ class PeerWatch:
         atexit.register(self.stop)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.interval) and not self._stop.is_set():
             try:
                 self.store.add(f"toolkit/beat/{self.rank}", 1)
             except Exception:  # the store's host is gone: nothing left to report to
@@ -83,6 +83,13 @@ def watch_peers(rank: int, world_size: int, run_dir) -> None:
     if world_size > 1 and _watch is None:
         _watch = PeerWatch(rank, world_size)
     _resume_hint = f"complete checkpoints under {run_dir}/checkpoints are intact: continue with --resume-from auto"
+
+
+def stop_watching_peers() -> None:
+    global _watch
+    if _watch is not None:
+        _watch.stop()
+        _watch = None
 
 
 def lost_peers_message(error: BaseException) -> str | None:

@@ -30,6 +30,10 @@ def exit_on_usage_error(main):
                 raise
             _say(f"{prefix}error: {message}")
             raise SystemExit(1) from None
+        finally:
+            from toolkit.distributed import stop_watching_peers
+
+            stop_watching_peers()  # join the heartbeat thread while the process group still exists
 
     return wrapper
 
@@ -37,4 +41,7 @@ def exit_on_usage_error(main):
 def _say(line: str) -> None:
     # One write call, so lines of several ranks sharing a pipe do not interleave mid-line.
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), (line + "\n").encode())
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured in-process)
+        print(line, file=sys.stderr, flush=True)

@@ -217,10 +217,12 @@ class TrainingLoop:
                 "step": progress.global_step,
                 "train_loss": train_loss,
                 **metrics,
-                "epoch_time_sec": round(epoch_time, 4),
-                "throughput_samples_per_sec": round(timer.samples / max(epoch_time, 1e-9), 2),
-                "data_load_time_sec": round(timer.data_sec, 4),
-                "compute_time_sec": round(timer.compute_sec, 4),
+                # Empty timings when nothing was trained since the resume (it resumed at this epoch's very end).
+                "epoch_time_sec": round(epoch_time, 4) if timer.samples else None,
+                "throughput_samples_per_sec": (round(timer.samples / max(epoch_time, 1e-9), 2)
+                                               if timer.samples else None),
+                "data_load_time_sec": round(timer.data_sec, 4) if timer.samples else None,
+                "compute_time_sec": round(timer.compute_sec, 4) if timer.samples else None,
                 "cpu_util_avg": psutil.cpu_percent(),
                 "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
                 "world_size": self.accelerator.num_processes,

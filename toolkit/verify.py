@@ -11,7 +11,7 @@ Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py
     checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker)
     world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size)
     backend      config.json's backend is --expect-backend (only with that flag; `none` = a single process)
-    throughput   throughput_samples_per_sec > 0 in every row; wall_time_sec > 0
+    throughput   throughput_samples_per_sec > 0 in every row that has one (at least one); wall_time_sec > 0
 
 Prints a line per check (OK/FAIL and the problems), then the key figures; exits 0 when all is well, else 1.
 `verify_run(run_dir, expect_world_size=None, expect_backend=None)` returns the problems as a list (empty = fine).
@@ -329,9 +329,14 @@ def _throughput(rows: list[dict] | None, summary: dict | None) -> Check:
     if check:
         return check
     check = Check("throughput")
-    bad = [i + 2 for i, row in enumerate(rows) if not (_number(row.get("throughput_samples_per_sec")) or 0) > 0]
+    # Empty = that row's epoch had no training left (a run resumed exactly at the epoch's end): nothing to time.
+    values = [_number(row.get("throughput_samples_per_sec")) for row in rows]
+    bad = [i + 2 for i, (row, value) in enumerate(zip(rows, values, strict=True))
+           if row.get("throughput_samples_per_sec") not in ("", None) and not (value or 0) > 0]
     if bad:
         check.problems.append(f"{METRICS_FILE} throughput_samples_per_sec is not > 0 on line(s) {bad}")
+    if not any((value or 0) > 0 for value in values):
+        check.problems.append(f"{METRICS_FILE} has no row with a throughput_samples_per_sec > 0")
     if summary is not None and not (_number(summary.get("wall_time_sec")) or 0) > 0:
         check.problems.append(f"{SUMMARY_FILE} wall_time_sec is not > 0")
     return check
