@@ -66,6 +66,17 @@ def ranks_seen(output: str) -> set[tuple[int, int]]:
     return seen
 
 
+def logged_steps(run_dir: Path) -> int:
+    """The newest step whose training loss reached log.csv (--log-with csv --log-every 1): 0 before any."""
+    import csv
+
+    path = Path(run_dir) / "log.csv"
+    if not path.exists():
+        return 0
+    rows = list(csv.DictReader(open(path)))
+    return max((int(r["step"]) for r in rows if r["name"] == "train/loss" and r["step"]), default=0)
+
+
 @pytest.fixture(scope="session")
 def movielens_cache() -> Path:
     """Fetch and prepare MovieLens-100K once (the recbole wheel from PyPI when GroupLens is unreachable)."""

@@ -1,7 +1,6 @@
 """SIGUSR1 (what SLURM sends before a time limit or on pre-emption): every rank checkpoints at the next step and
 exits 0; `--resume-from auto` then finishes bit-identical to an uninterrupted run."""
 
-import csv
 import re
 import signal
 import subprocess
@@ -10,19 +9,13 @@ import time
 
 import psutil
 import pytest
-from conftest import CONFIGS, ROOT, TINY, recipe_env, run_recipe
+from conftest import CONFIGS, ROOT, TINY, logged_steps, recipe_env, run_recipe
 
 pytestmark = pytest.mark.slow
 
 ARGS = [*TINY, "--epochs", "10", "--max-steps", "60", "--dropout", "0.3", "--log-with", "csv", "--log-every", "1"]
 
 
-def _logged_steps(run_dir):
-    path = run_dir / "log.csv"
-    if not path.exists():
-        return 0
-    rows = list(csv.DictReader(open(path)))
-    return max((int(r["step"]) for r in rows if r["name"] == "train/loss" and r["step"]), default=0)
 
 
 def _workers(launcher: subprocess.Popen) -> list[psutil.Process]:
@@ -40,7 +33,7 @@ def test_signal_checkpoints_exits_zero_and_resume_is_exact(tmp_path, movielens_c
     launcher = subprocess.Popen(command, cwd=ROOT, env=recipe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     deadline = time.monotonic() + 300
-    while _logged_steps(preempted) < 3 and launcher.poll() is None and time.monotonic() < deadline:
+    while logged_steps(preempted) < 3 and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # polling a condition (steps logged), not a timed wait
     workers = _workers(launcher)
     assert len(workers) == 2, [w.cmdline() for w in workers]

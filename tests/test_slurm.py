@@ -2,14 +2,13 @@
 "nodes" on this host (installed from Debian's packages when missing; skipped, with the reason, where that
 cannot be done)."""
 
-import csv
 import json
 import re
 import subprocess
 import time
 
 import pytest
-from conftest import ROOT, TINY, recipe_env
+from conftest import ROOT, TINY, logged_steps, recipe_env
 
 from toolkit.verify import verify_run
 
@@ -88,12 +87,6 @@ def test_test_distributed_job_passes_on_both_nodes(cluster, tmp_path):
                                                                      "barrier"}
 
 
-def _logged_steps(run_dir):
-    path = run_dir / "log.csv"
-    if not path.exists():
-        return 0
-    rows = list(csv.DictReader(open(path)))
-    return max((int(r["step"]) for r in rows if r["name"] == "train/loss" and r["step"]), default=0)
 
 
 def test_preempted_job_requeues_resumes_and_matches_uninterrupted(cluster, tmp_path, movielens_cache):
@@ -105,7 +98,7 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted(cluster, tmp_p
     log = tmp_path / "preempted.out"
     job, result = sbatch(cluster, args, log=log, wait=False, RUN_DIR=str(preempted))
     assert result.returncode == 0, result.stderr
-    wait_for(lambda: _logged_steps(preempted) >= 3, what="training to start")
+    wait_for(lambda: logged_steps(preempted) >= 3, what="training to start")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=_env(cluster), check=True)
     # The workers checkpoint and the main process requeues: the job goes back to PENDING with one restart.
     wait_for(lambda: job_field(cluster, job, "Restarts") == "1", what="the requeue")

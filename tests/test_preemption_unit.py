@@ -1,0 +1,31 @@
+"""The pre-emption flag and the requeue cap, without a cluster."""
+
+import os
+import signal
+
+from toolkit import preemption
+
+
+def test_requeue_is_capped_after_max_requeues(monkeypatch):
+    calls = []
+    monkeypatch.setattr(preemption.subprocess, "run", lambda *a, **k: calls.append(a))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    outcome = preemption.requeue_job(max_requeues=3)
+    assert "not requeued" in outcome and "3 times" in outcome and calls == []
+
+
+def test_requeue_outside_slurm_only_says_how_to_resume(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert "--resume-from auto" in preemption.requeue_job(max_requeues=3)
+
+
+def test_handler_only_sets_a_flag(monkeypatch):
+    monkeypatch.setattr(preemption, "_requested", False)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        preemption.install_handler()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption._requested is True
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
