@@ -97,3 +97,33 @@ def test_unreachable_head_node_is_one_line_within_the_rendezvous_timeout(tmp_pat
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"could not join the run at 127.0.0.1:{port}" in lines[0], result.stderr
+
+
+def test_hung_rank_is_named_after_dist_timeout(tmp_path, movielens_cache):
+    out = tmp_path / "run"
+    args = [*TINY, "--epochs", "40", "--checkpoint-every", "5", "--dist-timeout", "15", "--output-dir", str(out)]
+    port = str(free_port())
+    machines = []
+    for rank in (0, 1):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(CONFIGS / "2node_cpu.yaml"), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                   "--main_process_port", port, str(ROOT / "recipes" / "sasrec.py"), *args]
+        machines.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(), stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 300
+    while checkpoint.newest_complete(out) is None:
+        assert time.monotonic() < deadline and machines[0].poll() is None, "training did not reach a checkpoint"
+        time.sleep(0.05)  # polling a condition (a checkpoint exists), not a timed wait
+    worker = [p for p in psutil.Process(machines[1].pid).children(recursive=True)
+              if "sasrec.py" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline()[:3])][0]
+    stopped_at = time.monotonic()
+    worker.send_signal(signal.SIGSTOP)  # alive but stuck: only the timeout can tell
+    try:
+        _, stderr = machines[0].communicate(timeout=180)
+        waited = time.monotonic() - stopped_at
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        machines[1].communicate(timeout=120)
+    assert machines[0].returncode != 0
+    assert 10 < waited < 90, waited  # it waited for --dist-timeout (15 s), and not much longer
+    assert any(line.startswith("error: lost rank 1") for line in stderr.splitlines()), stderr[-3000:]
