@@ -91,15 +91,24 @@ def movielens_cache() -> Path:
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768+): a port picked from that range can be taken by
+    any outgoing connection (gloo opens many) before the launcher binds it."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    for _ in range(100):
+        port = random.randint(24000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 24000-32000")
 
 
-def launch_machines(args: list[str], *, config: str, machines: int = 2, recipe: str = "sasrec",
-                    timeout: float = 600, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+def start_machines(args: list[str], *, config: str, machines: int = 2, recipe: str = "sasrec",
+                   env: dict | None = None) -> list[subprocess.Popen]:
     """Start one `accelerate launch` per "machine" on this host (machine_rank 0..machines-1, 127.0.0.1), as
     one would on each node of a cluster; they rendezvous into one process group."""
     port = str(free_port())
@@ -111,6 +120,13 @@ def launch_machines(args: list[str], *, config: str, machines: int = 2, recipe: 
                    script, *args]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(env), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def launch_machines(args: list[str], *, config: str, machines: int = 2, recipe: str = "sasrec",
+                    timeout: float = 600, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """start_machines, then wait for all of them; fails with their output if any exits non-zero."""
+    procs = start_machines(args, config=config, machines=machines, recipe=recipe, env=env)
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)

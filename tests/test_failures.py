@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import CONFIGS, ROOT, TINY, free_port, recipe_env, run_recipe
+from conftest import CONFIGS, ROOT, TINY, free_port, recipe_env, run_recipe, start_machines
 
 from toolkit import checkpoint
 
@@ -20,14 +20,7 @@ def test_killed_rank_is_named_and_the_run_resumes(tmp_path, movielens_cache):
     out = tmp_path / "run"
     args = [*TINY, "--epochs", "40", "--checkpoint-every", "5", "--keep-checkpoints", "10", "--dist-timeout", "60",
             "--output-dir", str(out)]
-    port = str(free_port())
-    machines = []
-    for rank in (0, 1):  # two "machines": rank 1's death is not seen by rank 0's launcher, only by rank 0 itself
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(CONFIGS / "2node_cpu.yaml"), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", port, str(ROOT / "recipes" / "sasrec.py"), *args]
-        machines.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(), stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True))
+    machines = start_machines(args, config="2node_cpu.yaml")
     deadline = time.monotonic() + 300
     while checkpoint.newest_complete(out) is None or checkpoint.step_of(checkpoint.newest_complete(out)) < 10:
         assert time.monotonic() < deadline and machines[0].poll() is None, "training did not reach step 10"
@@ -102,14 +95,7 @@ def test_unreachable_head_node_is_one_line_within_the_rendezvous_timeout(tmp_pat
 def test_hung_rank_is_named_after_dist_timeout(tmp_path, movielens_cache):
     out = tmp_path / "run"
     args = [*TINY, "--epochs", "40", "--checkpoint-every", "5", "--dist-timeout", "15", "--output-dir", str(out)]
-    port = str(free_port())
-    machines = []
-    for rank in (0, 1):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(CONFIGS / "2node_cpu.yaml"), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", port, str(ROOT / "recipes" / "sasrec.py"), *args]
-        machines.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(), stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True))
+    machines = start_machines(args, config="2node_cpu.yaml")
     deadline = time.monotonic() + 300
     while checkpoint.newest_complete(out) is None:
         assert time.monotonic() < deadline and machines[0].poll() is None, "training did not reach a checkpoint"
