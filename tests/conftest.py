@@ -77,6 +77,14 @@ def logged_steps(run_dir: Path) -> int:
     return max((int(r["step"]) for r in rows if r["name"] == "train/loss" and r["step"]), default=0)
 
 
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """{step: training loss} from log.csv (--log-with csv --log-every 1)."""
+    import csv
+
+    rows = csv.DictReader(open(Path(run_dir) / "log.csv"))
+    return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
+
+
 @pytest.fixture(scope="session")
 def movielens_cache() -> Path:
     """Fetch and prepare MovieLens-100K once (the recbole wheel from PyPI when GroupLens is unreachable)."""

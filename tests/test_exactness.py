@@ -4,7 +4,7 @@ import csv
 
 import pytest
 import torch
-from conftest import TINY, final_weights, run_recipe
+from conftest import TINY, final_weights, logged_losses, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,6 @@ EQUIV = [*TINY, "--dropout", "0", "--max-steps", "20", "--eval-every", "100", "-
          "--log-every", "1"]
 
 
-def _losses(run_dir):
-    rows = csv.DictReader(open(run_dir / "log.csv"))
-    return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
-
-
 def test_two_processes_match_one_process_with_plain_sgd(tmp_path, movielens_cache):
     one, two = tmp_path / "one", tmp_path / "two"
     args = [*EQUIV, "--optimizer", "sgd", "--lr", "0.5"]
@@ -56,7 +51,7 @@ def test_two_processes_match_one_process_loss_curve_with_adam(tmp_path, movielen
     one, two = tmp_path / "one", tmp_path / "two"
     run_recipe([*EQUIV, "--output-dir", str(one)])
     run_recipe([*EQUIV, "--output-dir", str(two)], config="cpu_2proc.yaml")
-    l1, l2 = _losses(one), _losses(two)
+    l1, l2 = logged_losses(one), logged_losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, 21))
     worst = max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1)
     assert worst < 1e-4, worst

@@ -4,8 +4,8 @@ matches a one-process run with the same global batch."""
 import re
 
 import pytest
-from conftest import final_weights, launch_machines, run_recipe
-from test_exactness import EQUIV, _losses
+from conftest import final_weights, launch_machines, logged_losses, run_recipe
+from test_exactness import EQUIV
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,6 @@ def test_two_machines_match_one_process(optimizer, tmp_path, movielens_cache):
         w1, w2 = final_weights(one, 20), final_weights(two, 20)
         assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
     else:
-        l1, l2 = _losses(one), _losses(two)
+        l1, l2 = logged_losses(one), logged_losses(two)
         assert sorted(l1) == sorted(l2) == list(range(1, 21))
         assert max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1) < 1e-4

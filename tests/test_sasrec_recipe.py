@@ -46,12 +46,14 @@ def test_two_cpu_processes_form_one_gloo_group(tmp_path, movielens_cache):
     assert (out / "checkpoints" / "step_4" / "random_states_1.pkl").exists()  # rank 1 saved its RNG state
 
 
-def test_bf16_on_cpu_trains(tmp_path, movielens_cache):
-    out = tmp_path / "run"
-    run_recipe([*TINY, "--max-steps", "3", "--mixed-precision", "bf16", "--output-dir", str(out)])
-    assert read_json(out / "config.json")["mixed_precision"] == "bf16"
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
-    loss = float(rows[-1]["train_loss"])
-    assert 0 < loss < 10
-    weights = final_weights(out, 3)
+def test_bf16_on_cpu_trains_in_bf16(tmp_path, movielens_cache):
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    run_recipe([*TINY, "--max-steps", "3", "--mixed-precision", "bf16", "--output-dir", str(bf16)])
+    run_recipe([*TINY, "--max-steps", "3", "--mixed-precision", "no", "--output-dir", str(fp32)])
+    assert read_json(bf16 / "config.json")["mixed_precision"] == "bf16"
+    losses = [float(list(csv.DictReader(open(d / "metrics.csv")))[-1]["train_loss"]) for d in (bf16, fp32)]
+    assert 0 < losses[0] < 10
+    assert losses[0] != losses[1]  # autocast really ran: same seed and data, different arithmetic
+    assert abs(losses[0] - losses[1]) < 0.05 * losses[1]  # ... and still trains the same model
+    weights = final_weights(bf16, 3)
     assert all(t.isfinite().all() for t in weights.values())

@@ -31,20 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tools around the recipes: check a launch's process group, check a finished run directory.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    doctor_parser = commands.add_parser(
-        "doctor",
-        help="check that this launch forms a working process group (collective values, barrier, bandwidth)",
-        description=doctor.__doc__.split("\n\n")[0],
-    )
-    doctor.add_arguments(doctor_parser)
-    doctor_parser.set_defaults(handler=doctor.main)
-    verify_parser = commands.add_parser(
-        "verify",
-        help="check a finished run directory (files, steps, metrics, checkpoints, world size, throughput)",
-        description=verify.__doc__.split("\n\n")[0],
-    )
-    verify.add_arguments(verify_parser)
-    verify_parser.set_defaults(handler=verify.main)
+    subcommands = [
+        (doctor, "check that this launch forms a working process group (collective values, barrier, bandwidth)"),
+        (verify, "check a finished run directory (files, steps, metrics, checkpoints, world size, throughput)"),
+    ]
+    for module, summary in subcommands:
+        name = module.__name__.rsplit(".", 1)[-1]
+        sub = commands.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.main)
     launch_parser = commands.add_parser(
         "launch", help="accelerate launch with a rendezvous timeout and one-line launch errors", add_help=False
     )

@@ -41,7 +41,6 @@ from toolkit.tracking import (
     LOG_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
-    TRAILING_COLUMNS,
     MetricsFile,
     plot_curves,
     truncate_after_step,
@@ -227,7 +226,6 @@ class TrainingLoop:
                 "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
                 "world_size": self.accelerator.num_processes,
             }
-            assert list(row)[:3] == LEADING_COLUMNS and list(row)[-len(TRAILING_COLUMNS):] == TRAILING_COLUMNS
             if self.run.is_main:
                 MetricsFile(self.run.output_dir).append(row)
                 tqdm.write(" ".join(f"{k}={_short(v)}" for k, v in row.items() if k in metrics or k in LEADING_COLUMNS))
