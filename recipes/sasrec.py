@@ -8,29 +8,33 @@ Runs unchanged on one CPU, several CPU processes (gloo), 1-8 GPUs and several no
 
 Features: four variants (--variant sasrec | tisasrec | sasrec-mhc | tisasrec-mhc) with Post-LN, Pre-LN or the
 original layer-norm placement (--norm); BCE with one sampled negative per position (the paper) or full softmax
-cross-entropy (--loss ce); negatives keyed by (seed, epoch, user, position), so any process count draws the same
-ones; leave-one-out evaluation by timestamp, sampled (100 untouched negatives, ties count against the target) and
-full ranking (all items, the user's history excluded), HR@10 and NDCG@10; the best validation checkpoint is kept
-and the test metrics are reported for it.
+cross-entropy (--loss ce); training negatives drawn from outside the user's TRAINING items (as the original code:
+held-out items can be negatives), keyed by (seed, epoch, user, position), and dropout keyed by sample, so any
+process count draws the same ones; leave-one-out evaluation by timestamp, sampled (100 untouched negatives, ties
+count against the target) and full ranking (all items, the user's history excluded), HR@10 and NDCG@10; the best
+validation checkpoint is kept and the test metrics are reported for it.
 
-Errors (one line, exit 2, before training): unknown --variant/--norm/--loss, a --data-path that does not exist or
-is not MovieLens, --batch-size not positive or not divisible by the process count, fp16 on CPU, --resume-from a
-path that is not a complete checkpoint, --output-dir that already holds a run (without --resume-from).
+Errors (one line, exit 2, before anything is written): unknown --variant/--norm/--loss, a --data-path that does not
+exist or is not MovieLens (bad lines named), out-of-range numbers, --batch-size not divisible by the process count
+or larger than the data, --eval-negatives larger than what users left untouched, fp16 on CPU, --resume-from a path
+that is not a complete intact checkpoint, resuming with changed settings or data, an --output-dir that already
+holds a run (without --resume-from), is a file, is not writable, or is in use by a live run.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
 
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
 from toolkit.config import TrainConfig, parse_config  # noqa: E402
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens  # noqa: E402
 from toolkit.distributed import global_mean  # noqa: E402
@@ -103,6 +107,10 @@ def check(cfg: SASRecConfig) -> None:
         raise UsageError(f"--hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
     if not 0 <= cfg.dropout < 1:
         raise UsageError(f"--dropout {cfg.dropout} is invalid; it must be in [0, 1)")
+    if not 0 <= cfg.weight_decay < float("inf"):
+        raise UsageError(f"--weight-decay {cfg.weight_decay} is invalid; it must be a finite number >= 0")
+    if cfg.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
 
 
 @exit_on_usage_error
@@ -117,7 +125,16 @@ def main(argv: list[str] | None = None) -> dict:
         run, lambda: prepare_movielens(cfg.dataset, cfg.data_path, cfg.cache_dir.expanduser())
     )
     split = leave_one_out(sequences, meta, cfg.maxlen)
-    touched = split.touched.to(accelerator.device)
+    most_touched = int(split.touched.sum(dim=1).max())
+    if cfg.eval_negatives > meta["num_items"] - most_touched:
+        raise UsageError(
+            f"--eval-negatives {cfg.eval_negatives} is more than the {meta['num_items'] - most_touched} items that "
+            f"every user left untouched ({meta['num_items']} items; the most active user touched {most_touched}); "
+            f"give at most {meta['num_items'] - most_touched}"
+        )
+    run.describe_data(meta["fingerprint"], source=meta["source"], users=meta["num_users"], items=meta["num_items"])
+    touched = split.touched.to(accelerator.device)  # evaluation: candidates the user never touched at all
+    train_touched = split.train_touched.to(accelerator.device)  # training negatives: outside the training items
     eval_negatives = sample_negatives(
         split.touched, split.eval_users, torch.arange(cfg.eval_negatives),
         seed=cfg.seed, purpose=EVAL_NEGATIVES, epoch=0,
@@ -169,15 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
     scorer = accelerator.unwrap_model(model)  # score_items / score_all share the (wrapped) model's weights
     run.print(f"model: {cfg.variant} ({cfg.norm}-LN), {sum(p.numel() for p in scorer.parameters()):,} parameters")
 
-    loop = TrainingLoop(run, model, train_loader, main_metric="val_sampled_ndcg@10")
-    loop.restore()
+    loop = TrainingLoop(run, model, train_loader, evaluate=lambda: ranking_metrics(valid_loader, "val"),
+                        main_metric="val_sampled_ndcg@10")
 
     def training_loss(batch):
         inputs, targets = batch["input"], batch["target"]
         hidden = model(inputs, batch["time"] if time_aware else None)
         positions = targets > 0
         if cfg.loss == "bce":
-            negatives = sample_negatives(touched, batch["user"], torch.arange(inputs.shape[1]), seed=cfg.seed,
+            negatives = sample_negatives(train_touched, batch["user"], torch.arange(inputs.shape[1]), seed=cfg.seed,
                                          purpose=TRAIN_NEGATIVES, epoch=loop.progress.epoch)
             candidates = torch.stack([targets[positions], negatives[positions]], dim=1)
             logits = scorer.score_items(hidden[positions], candidates)
@@ -216,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
         metrics[f"{prefix}_users"] = int(sum(len(r) for r in sampled_ranks))
         return metrics
 
-    # ---- train ---------------------------------------------------------------------------------------------
+    # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
+    loop.start()
     for _epoch in loop.epochs():
         model.train()
         for batch in loop.batches():
@@ -230,12 +248,13 @@ def main(argv: list[str] | None = None) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             loop.record_loss(loss_value)
-        loop.end_epoch(lambda: ranking_metrics(valid_loader, "val"))
+        loop.end_epoch()
 
     # ---- test the best validation checkpoint ---------------------------------------------------------------
-    summary = loop.finish(test=lambda: ranking_metrics(test_loader, "test"))
-    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}",
-                           summary["test_metrics_at_best"]))
+    loop.load_best()
+    test_metrics = loop.test(lambda: ranking_metrics(test_loader, "test"))
+    summary = loop.finish()
+    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
     return summary
 
 

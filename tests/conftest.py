@@ -33,8 +33,9 @@ def recipe_env(extra: dict | None = None) -> dict:
 
 def run_recipe(args: list[str], *, config: str | None = None, recipe: str = "sasrec", cwd: Path | None = None,
                env: dict | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run recipes/<recipe>.py: plain python when config is None, else through `accelerate launch`."""
-    script = str(ROOT / "recipes" / f"{recipe}.py")
+    """Run recipes/<recipe>.py (or the script `recipe` when it ends in .py): plain python when config is None, else
+    through `accelerate launch`."""
+    script = recipe_script(recipe)
     if config is None:
         command = [sys.executable, script, *args]
     else:
@@ -46,6 +47,13 @@ def run_recipe(args: list[str], *, config: str | None = None, recipe: str = "sas
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}\n--- stdout\n{result.stdout[-4000:]}"
                              f"\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+TOY = str(ROOT / "tests" / "toy_recipe.py")  # the toolkit API's test recipe
+
+
+def recipe_script(recipe: str) -> str:
+    return recipe if recipe.endswith(".py") else str(ROOT / "recipes" / f"{recipe}.py")
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -116,17 +124,19 @@ def free_port() -> int:
 
 
 def start_machines(args: list[str], *, config: str, machines: int = 2, recipe: str = "sasrec",
-                   env: dict | None = None) -> list[subprocess.Popen]:
+                   env: dict | None = None, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
     """Start one `accelerate launch` per "machine" on this host (machine_rank 0..machines-1, 127.0.0.1), as
-    one would on each node of a cluster; they rendezvous into one process group."""
+    one would on each node of a cluster; they rendezvous into one process group. cwds: each machine's working
+    directory (different ones make a relative --output-dir a different directory per machine: local disks)."""
     port = str(free_port())
-    script = str(ROOT / "recipes" / f"{recipe}.py")
+    script = recipe_script(recipe)
     procs = []
     for rank in range(machines):
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
                    "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                    script, *args]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=recipe_env(env), stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(command, cwd=cwds[rank] if cwds else ROOT, env=recipe_env(env),
+                                      stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return procs
 

@@ -1,24 +1,33 @@
 """Atomic checkpoints: `checkpoints/step_<N>/` = Accelerate `save_state` output + progress.json + COMPLETE.
 
-Every rank writes its part (random states) into a temporary sibling directory; after a barrier the main process
-writes progress.json, renames the directory to step_<N> and writes the COMPLETE marker last. A directory without
-the marker is an interrupted save: `auto` ignores it, an explicit --resume-from rejects it, pruning never deletes it.
+Every rank writes its part (random states, per-rank state) into a temporary sibling directory; after a barrier the
+main process writes progress.json and MANIFEST.json (sha256 of every file), renames the directory to step_<N> and
+writes the COMPLETE marker last. A directory without the marker is an interrupted save: `auto` ignores it, an
+explicit --resume-from rejects it, pruning never deletes it, the next save removes its staging leftovers.
+A complete checkpoint whose files do not match the manifest is damaged: `auto` skips it (one line naming the file
+and the older checkpoint used instead), an explicit --resume-from refuses it.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 
 from toolkit.errors import UsageError
 
 MARKER = "COMPLETE"
 PROGRESS_FILE = "progress.json"
+MANIFEST = "MANIFEST.json"  # {"files": {name: {"bytes", "sha256"}}}, written before the marker
+SHARED_STATE = "extra_state.pt"  # the recipe's state beyond Accelerate's (e.g. a data scaler), main process
+RANK_STATE = "rank_state_{rank}.pt"  # per-rank state (e.g. HRM's carry), one file per rank
 _PREFIX = "step_"
 
 
@@ -53,7 +62,7 @@ def newest_complete(run_dir: Path) -> Path | None:
 
 
 def resolve_checkpoint_path(path: Path) -> Path:
-    """An explicit --resume-from PATH: a complete step_N dir, or a run dir (its newest complete checkpoint)."""
+    """An explicit --resume-from PATH: a complete, intact step_N dir, or a run dir (its newest intact checkpoint)."""
     path = Path(path)
     if not path.exists():
         raise UsageError(
@@ -65,41 +74,153 @@ def resolve_checkpoint_path(path: Path) -> Path:
                 f"--resume-from {path} is an incomplete checkpoint (no {MARKER} marker: its save was interrupted); "
                 "resume from an earlier step_N or use --resume-from auto"
             )
+        damage = damage_of(path)
+        if damage:
+            raise UsageError(f"--resume-from {path} is damaged: {damage}; resume from an earlier step_N or use "
+                             "--resume-from auto (it skips damaged checkpoints)")
         return path
-    newest = newest_complete(path)
-    if newest is None:
+    if newest_complete(path) is None:
         raise UsageError(
             f"--resume-from {path} is not a checkpoint: expected a checkpoints/step_N directory with a {MARKER} "
             "marker, or a run directory that holds one"
         )
+    newest = newest_intact(path)
+    if newest is None:
+        raise UsageError(f"--resume-from {path}: every checkpoint in it is damaged (see the lines above)")
     return newest
+
+
+def newest_intact(run_dir: Path, say=print) -> Path | None:
+    """The newest complete checkpoint whose files match its manifest; each damaged newer one is named (`say`)."""
+    found = complete_checkpoints(run_dir)
+    skipped = []
+    for path in reversed(found):
+        damage = damage_of(path)
+        if damage is None:
+            for bad, why in skipped:
+                say(f"warning: checkpoint {bad} is damaged ({why}); resuming from {path.name} instead")
+            return path
+        skipped.append((path, damage))
+    for bad, why in skipped:
+        say(f"warning: checkpoint {bad} is damaged ({why}); no intact checkpoint is older")
+    return None
 
 
 def read_progress(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / PROGRESS_FILE).read_text())
 
 
-def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, progress: dict) -> Path:
-    """Save model/optimizer/scheduler/scaler/RNG states and the loop's progress; collective (every rank calls)."""
+# ---- manifests: a sha256 of every file, written before the COMPLETE marker ------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file() and p.name not in (MANIFEST, MARKER))
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _write_json(Path(directory) / MANIFEST, {"files": entries})
+
+
+def damage_of(checkpoint: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (None = every file matches its manifest and
+    progress.json names this step)."""
+    checkpoint = Path(checkpoint)
+    try:
+        entries = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        assert isinstance(entries, dict) and entries
+    except FileNotFoundError:
+        return f"it has no {MANIFEST}"
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        return f"{MANIFEST} is unreadable"
+    for name, entry in sorted(entries.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    try:
+        progress = read_progress(checkpoint)
+    except (OSError, ValueError):
+        return f"{PROGRESS_FILE} is unreadable"
+    if not isinstance(progress, dict) or progress.get("global_step") != step_of(checkpoint):
+        return f"{PROGRESS_FILE} does not name step {step_of(checkpoint)}"
+    return None
+
+
+# ---- saving and loading ---------------------------------------------------------------------------------------
+
+
+def _state_files(rank: int) -> tuple[str, str]:
+    return SHARED_STATE, RANK_STATE.format(rank=rank)
+
+
+def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, progress: dict,
+                    shared_state: dict | None = None, rank_state: dict | None = None) -> Path:
+    """Save model/optimizer/scheduler/scaler/RNG states, extra state and the loop's progress; collective.
+
+    shared_state: {name: object with state_dict()} the same on every rank (written by the main process);
+    rank_state: {name: object} that differs per rank (each rank writes its own file).
+    A full disk (or any OS error) becomes one line naming the path; the staging directory is removed.
+    """
     root = checkpoints_root(run_dir)
     final = root / f"{_PREFIX}{step}"
     staging = root / f".{_PREFIX}{step}.saving"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        if staging.exists():  # our own leftover from a save of this same step that died: not user data
-            shutil.rmtree(staging)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging), safe_serialization=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _write_json(staging / PROGRESS_FILE, progress)
-        if final.exists():  # e.g. resumed from an older checkpoint into the same run: keep the old one aside
-            final.rename(root / f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        staging.rename(final)
-        _fsync_dir(root)
-        (final / MARKER).write_text(f"step {step}\n")
+    rank = accelerator.process_index
+    try:
+        if accelerator.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            for leftover in root.glob(f".{_PREFIX}*.saving"):  # our own staging dirs from saves that died
+                shutil.rmtree(leftover)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(staging), safe_serialization=True)
+        if rank_state:
+            torch.save({name: obj.state_dict() for name, obj in rank_state.items()},
+                       staging / RANK_STATE.format(rank=rank))
+        if accelerator.is_main_process and shared_state:
+            torch.save({name: obj.state_dict() for name, obj in shared_state.items()}, staging / SHARED_STATE)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _write_json(staging / PROGRESS_FILE, progress)
+            write_manifest(staging)
+            if final.exists():  # e.g. resumed from an older checkpoint into the same run: keep the old one aside
+                final.rename(root / f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            staging.rename(final)
+            _fsync_dir(root)
+            (final / MARKER).write_text(f"step {step}\n")
+    except OSError as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise disk_error(error, staging) from None
     accelerator.wait_for_everyone()
     return final
+
+
+def disk_error(error: OSError, where: Path) -> UsageError:
+    """One line for an OS error while writing: a full disk names the disk (mount point) and its free space."""
+    path = Path(error.filename) if error.filename else Path(where)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        mount = _mount_point(path)
+        free = shutil.disk_usage(mount).free / 2**20 if mount.exists() else 0.0
+        return UsageError(
+            f"no space left on the disk at {mount} ({free:.1f} MiB free) while writing {path}; complete checkpoints "
+            "are intact: free space, then continue with --resume-from auto"
+        )
+    return UsageError(f"could not write {path} ({error.strerror or error}); complete checkpoints are intact")
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def prune_checkpoints(accelerator: Accelerator, run_dir: Path, keep: int, protect: set[int]) -> None:
@@ -114,9 +235,26 @@ def prune_checkpoints(accelerator: Accelerator, run_dir: Path, keep: int, protec
             shutil.rmtree(path)
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> dict:
-    """Restore everything `save_checkpoint` saved; returns the progress dict."""
-    accelerator.load_state(str(checkpoint))
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, shared_state: dict | None = None,
+                    rank_state: dict | None = None) -> dict:
+    """Restore everything `save_checkpoint` saved; returns the progress dict. A checkpoint that does not fit the
+    prepared objects (another model size, say) is one line, not a traceback."""
+    checkpoint = Path(checkpoint)
+    try:
+        accelerator.load_state(str(checkpoint))
+        if shared_state:
+            saved = torch.load(checkpoint / SHARED_STATE, map_location="cpu", weights_only=False)
+            for name, obj in shared_state.items():
+                obj.load_state_dict(saved[name])
+        if rank_state:
+            path = checkpoint / RANK_STATE.format(rank=accelerator.process_index)
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            for name, obj in rank_state.items():
+                obj.load_state_dict(saved[name])
+    except (RuntimeError, KeyError, ValueError, OSError, EOFError) as error:
+        detail = " ".join(str(error).split())[:200]
+        raise UsageError(f"--resume-from {checkpoint} could not be loaded ({type(error).__name__}: {detail}); "
+                         "was it written by this recipe with the same model settings?") from None
     return read_progress(checkpoint)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import sys
@@ -30,11 +31,11 @@ class TrainConfig:
     run_name: str | None = None
     """Name of the run (default: date-time); used for the default --output-dir and the tracker."""
     seed: int = 0
-    """Seeds weights, data order, dropout and sampled negatives."""
+    """Seeds weights, data order, dropout and sampled negatives (0 .. 2**32 - 1)."""
     epochs: int = 1
     """Passes over the training data."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (smoke runs); the schedule still follows --epochs."""
+    """Stop after this many optimizer steps; learning-rate schedules then end there too."""
     batch_size: int = 128
     """GLOBAL batch size per forward pass, split evenly over the processes (must divide by their number).
     The effective batch per optimizer step is batch_size x grad_accum."""
@@ -50,6 +51,8 @@ class TrainConfig:
     """Keep the newest N complete checkpoints (the best-validation one is always kept too)."""
     eval_every: int = 1
     """Evaluate on the validation split every N epochs (and at the end)."""
+    eval_every_steps: int = 0
+    """Evaluate every N optimizer steps instead of every --eval-every epochs (0 = by epochs)."""
     log_every: int = 10
     """Send the training loss to the tracker every N optimizer steps."""
     deterministic: bool = False
@@ -114,12 +117,17 @@ def validate(config: TrainConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be a positive integer")
     if config.max_steps is not None and config.max_steps < 1:
         raise UsageError(f"--max-steps {config.max_steps} is invalid; give a positive number of steps or omit it")
-    for name in ["checkpoint_every", "num_workers", "max_requeues"]:
+    if not 0 <= config.seed < 2**32:
+        raise UsageError(f"--seed {config.seed} is invalid; give an integer in 0 .. {2**32 - 1}")
+    for name in ["checkpoint_every", "num_workers", "max_requeues", "eval_every_steps"]:
         if getattr(config, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(config, name)} is invalid; it must be >= 0")
-    if not config.lr > 0:
-        raise UsageError(f"--lr {config.lr} is invalid; it must be > 0")
-    if config.max_grad_norm < 0:
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise UsageError(f"--lr {config.lr} is invalid; it must be a finite number > 0")
+    if not (config.max_grad_norm >= 0 and math.isfinite(config.max_grad_norm)):
         raise UsageError(f"--max-grad-norm {config.max_grad_norm} is invalid; use 0 (off) or a positive norm")
-    if not config.dist_timeout > 0:
+    if config.output_dir is not None and str(config.output_dir) in ("", "."):
+        raise UsageError(f"--output-dir {str(config.output_dir)!r} is the current directory; give a directory for "
+                         "this run (e.g. runs/my-run)")
+    if not (config.dist_timeout > 0 and math.isfinite(config.dist_timeout)):
         raise UsageError(f"--dist-timeout {config.dist_timeout} is invalid; give seconds > 0")

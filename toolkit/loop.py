@@ -1,29 +1,40 @@
 """The bookkeeping of a training loop, written once: epochs, exact mid-epoch resume, step counting, per-step
-reseeding, timing, progress bar, checkpoint cadence, evaluation rows, best-checkpoint tracking, the summary.
+reseeding, timing, progress bar, evaluation and checkpoint cadence, best-checkpoint tracking, early stopping,
+non-finite guards, the summary.
 
 A recipe keeps the parts that are its own (forward, loss, backward, optimizer step, evaluation) and reads:
 
-    loop = TrainingLoop(run, model, train_loader, main_metric="val_ndcg")
-    loop.restore()                                   # after accelerator.prepare(...)
+    loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric="val_ndcg",
+                        state={"scaler": scaler}, rank_state={"carry": carry})
+    loop.start()                                     # after accelerator.prepare(...): takes the run dir, resumes
     for epoch in loop.epochs():
-        for batch in loop.batches():
+        for batch in loop.batches():                 # may evaluate and checkpoint between steps (cadence)
             with accelerator.accumulate(model):
                 loss = ...; accelerator.backward(loss); optimizer.step(); ...
             loop.record_loss(loss)
-        loop.end_epoch(evaluate)
-    summary = loop.finish(test)
+        metrics = loop.end_epoch()                   # evaluates and checkpoints when due
+        if should_stop(metrics): loop.request_stop("no improvement for 5 evaluations")
+    loop.load_best()                                 # the best validation weights
+    test_metrics = loop.test(run_test)               # no_grad; exports, Jacobians etc. may follow (with grad)
+    summary = loop.finish()                          # summary.json, curves.png, trackers end, process group ends
+
+Cadence: evaluations every --eval-every epochs, or every --eval-every-steps optimizer steps; checkpoints every
+--checkpoint-every steps (else at each epoch end), always AFTER the evaluation of the same step, and at the end.
+When the loop ends (epochs done, --max-steps, request_stop) the final step is evaluated and saved once.
 
 Exact resume (bit-identical on CPU) needs: model/optimizer/scheduler/scaler state (Accelerate's save_state),
-the sampler's order for the epoch (seedable sampler + set_epoch every epoch), the consumed batches skipped
-(skip_first_batches), Accelerate's accumulation counter reset where the epoch restarts, dropout masks that do not
-depend on the RNG history (the global RNG is reseeded from (seed, epoch, batch, rank) before each micro-batch), and
-the loop's own counters (progress.json in the checkpoint).
+the recipe's extra state, the sampler's order for the epoch (seedable sampler + set_epoch every epoch), the
+consumed batches skipped (skip_first_batches), Accelerate's accumulation counter reset where the epoch restarts,
+randomness that does not depend on the RNG history (keyed dropout; the global RNG reseeded from (seed, epoch,
+batch, rank) before each micro-batch), and the loop's own counters (progress.json, which also records how long
+metrics.csv and log.csv were, so a resume cuts off exactly what was written after the checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +44,8 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint, preemption
+from toolkit import checkpoint, preemption, randomness
+from toolkit.errors import UsageError
 from toolkit.randomness import step_seed
 from toolkit.run import Run
 from toolkit.tracking import (
@@ -43,9 +55,13 @@ from toolkit.tracking import (
     SUMMARY_FILE,
     MetricsFile,
     plot_curves,
-    truncate_after_step,
+    truncate_to_bytes,
     write_json,
 )
+
+
+class TrainingStopped(UsageError):
+    """The run cannot go on (a non-finite loss or metric): one line naming the step; the checkpoints stay."""
 
 
 @dataclass
@@ -57,17 +73,22 @@ class Progress:
     batches_done: int = 0  # micro-batches consumed in the current epoch
     global_step: int = 0  # optimizer steps
     samples_seen: int = 0
-    epoch_loss_sum: float = 0.0
-    epoch_loss_count: int = 0
+    interval_loss_sum: float = 0.0  # training loss since the last metrics row
+    interval_loss_count: int = 0
     best_value: float | None = None
     best_step: int | None = None
     best_metrics: dict = field(default_factory=dict)
     last_metrics: dict = field(default_factory=dict)
+    last_eval_step: int | None = None
+    stop_reason: str | None = None  # request_stop(reason): the run ended early
     train_time_sec: float = 0.0
+    file_bytes: dict = field(default_factory=dict)  # metrics.csv / log.csv sizes when this checkpoint was saved
 
 
 @dataclass
-class _EpochTimer:
+class _IntervalTimer:
+    """Time and samples since the last metrics row (an epoch, several, or --eval-every-steps steps)."""
+
     started: float = field(default_factory=time.perf_counter)
     data_sec: float = 0.0
     compute_sec: float = 0.0
@@ -75,48 +96,87 @@ class _EpochTimer:
     gpu_util: list = field(default_factory=list)
 
 
+def total_training_steps(config, batches_per_epoch: int) -> int:
+    """Optimizer steps the run will take: --epochs x steps per epoch, capped by --max-steps (for LR schedules)."""
+    total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
+    return min(total, config.max_steps) if config.max_steps is not None else total
+
+
 class TrainingLoop:
-    def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, main_metric: str,
-                 higher_is_better: bool = True):
+    def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
+                 higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None):
+        """evaluate(): validation metrics {name: number} (called under no_grad, model in eval mode; must return the
+        same values on every rank, e.g. from gather_for_metrics). state / rank_state: {name: object with
+        state_dict/load_state_dict} saved in every checkpoint, once (shared) or per rank (e.g. a carry)."""
         self.run = run
         self.train_loader = train_loader
         self.steps_per_epoch = math.ceil(len(train_loader) / run.config.grad_accum)
         self.accelerator = run.accelerator
         self.config = run.config
         self.model = model
+        self.evaluate_fn = evaluate
         self.main_metric = main_metric
         self.higher_is_better = higher_is_better
+        self.shared_state = dict(state or {})
+        self.rank_state = dict(rank_state or {})
         self.progress = Progress(run_id=run.run_id)
-        self.stopped = False  # --max-steps reached
+        self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
+        self._stop_request: str | None = None
+        self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
         self._last_saved_step: int | None = None
         self._pending_loss: list[torch.Tensor] = []
         self._bar = None
-        self._timer = _EpochTimer()
+        self._timer = _IntervalTimer()
+        self._test_metrics: dict = {}
         self._run_started = time.perf_counter()
 
-    # ---- resume -------------------------------------------------------------------------------------------
-    def restore(self) -> None:
-        """Load the resume checkpoint (if any) into the prepared objects and the loop. Call after prepare()."""
-        if self.run.resume_checkpoint is None:
+    # ---- start: take the run directory, resume ----------------------------------------------------------------
+    def start(self) -> None:
+        """Take the run directory (lock, config.json, trackers), then load the resume checkpoint (if any) into the
+        prepared objects, the extra state and the loop. Call after prepare()."""
+        run = self.run
+        if run.resume_checkpoint is not None and self.rank_state and run.previous is not None:
+            before = run.previous.get("world_size")
+            if before != self.accelerator.num_processes:
+                raise UsageError(
+                    f"--resume-from {run.resume_checkpoint}: this recipe keeps per-rank state "
+                    f"({', '.join(self.rank_state)}), so it resumes only with the run's {before} process(es), not "
+                    f"{self.accelerator.num_processes}"
+                )
+        run.begin()
+        if run.resume_checkpoint is None:
             return
-        saved = checkpoint.load_checkpoint(self.accelerator, self.run.resume_checkpoint)
+        saved = checkpoint.load_checkpoint(self.accelerator, run.resume_checkpoint, self.shared_state,
+                                           self.rank_state)
         known = {f.name for f in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: v for k, v in saved.items() if k in known})
         self._last_saved_step = self.progress.global_step
-        if self.run.is_main:  # rows a crashed life wrote after this checkpoint are written again
-            for name in (METRICS_FILE, LOG_FILE):
-                truncate_after_step(self.run.output_dir / name, self.progress.global_step)
+        if run.is_main:  # what a later life wrote after this checkpoint is written again
+            for name, size in self.progress.file_bytes.items():
+                truncate_to_bytes(run.output_dir / name, size)
         where = self.progress
-        self.run.print(f"resumed at epoch {where.epoch}, batch {where.batches_done}, step {where.global_step}")
+        run.print(f"resumed at epoch {where.epoch}, batch {where.batches_done}, step {where.global_step}")
 
     # ---- iteration ----------------------------------------------------------------------------------------
     def epochs(self):
+        """Yield epoch numbers until --epochs, --max-steps or a stop request; then evaluate and save the end."""
         cfg = self.config
+        if not self.run.begun:
+            raise RuntimeError("call loop.start() before iterating loop.epochs()")
         if self.run.is_main and self._bar is None:
             self._bar = tqdm(total=self.total_steps, initial=self.progress.global_step, unit="step",
                              dynamic_ncols=True, desc=self.run.recipe)
+        if self.progress.stop_reason:
+            self.stopped = True
         while self.progress.epoch < cfg.epochs and not self.stopped:
             yield self.progress.epoch
+            if self._agree(stop=self._stop_request is not None)[2] and not self.stopped:
+                self._take_stop_request()
+            if self._save_due:
+                self.save()
+                self._save_due = False
+        self._final_evaluation_and_save()
+        randomness.end_micro_batches()
 
     def batches(self):
         """Yield this epoch's micro-batches, continuing mid-epoch after a resume; stops at --max-steps."""
@@ -124,8 +184,9 @@ class TrainingLoop:
         loader.set_epoch(progress.epoch)  # the sampler's order is a function of (data seed, epoch)
         iterable = accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
         accelerator.step = 0  # Accelerate's accumulation counter: windows restart with the epoch, also on resume
-        self._timer = _EpochTimer()
         psutil.cpu_percent()  # starts the CPU-utilisation window
+        if self._timer.samples == 0:  # the interval's time starts with its training, not with a save before it
+            self._timer = _IntervalTimer()
         iterator = iter(iterable)
         while True:
             fetch_start = time.perf_counter()
@@ -135,16 +196,17 @@ class TrainingLoop:
                 return
             compute_start = time.perf_counter()
             self._timer.data_sec += compute_start - fetch_start
-            torch.manual_seed(step_seed(cfg.seed, progress.epoch * 1_000_003 + progress.batches_done,
-                                        accelerator.process_index))
+            key = progress.epoch * 1_000_003 + progress.batches_done
+            torch.manual_seed(step_seed(cfg.seed, key, accelerator.process_index))
+            randomness.begin_micro_batch(cfg.seed, key, accelerator.process_index, accelerator.num_processes)
             yield batch
             progress.batches_done += 1
             progress.samples_seen += cfg.batch_size
             self._timer.samples += cfg.batch_size
+            self._timer.compute_sec += time.perf_counter() - compute_start
             if accelerator.sync_gradients:
                 progress.global_step += 1
-                self._after_optimizer_step()
-            self._timer.compute_sec += time.perf_counter() - compute_start
+                self._after_optimizer_step(end_of_epoch=progress.batches_done >= len(loader))
             if self.stopped:
                 return
 
@@ -152,13 +214,34 @@ class TrainingLoop:
         """The micro-batch's loss, already the mean over the whole global batch (same value on every rank)."""
         self._pending_loss.append(loss.detach().float())
 
-    def _after_optimizer_step(self) -> None:
+    def request_stop(self, reason: str) -> None:
+        """End the run early (e.g. early stopping): at the next step boundary or epoch end every rank stops, the
+        final step is evaluated and checkpointed, and `reason` goes into summary.json."""
+        self._stop_request = reason
+
+    def _agree(self, preempt: bool = False, diverged: bool = False, stop: bool = False) -> tuple[bool, bool, bool]:
+        """One all-reduce: has ANY rank been pre-empted, seen a non-finite loss, or been asked to stop?"""
+        flags = torch.tensor([preempt, diverged, stop], dtype=torch.float32, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        return tuple(bool(v > 0) for v in flags.tolist())
+
+    def _take_stop_request(self) -> None:
+        self.progress.stop_reason = self._stop_request or "stop requested on another rank"
+        self.stopped = True
+        self.run.print(f"stopping at step {self.progress.global_step}: {self.progress.stop_reason}")
+
+    def _after_optimizer_step(self, end_of_epoch: bool) -> None:
         cfg, progress = self.config, self.progress
         losses = torch.stack(self._pending_loss).cpu() if self._pending_loss else torch.zeros(0)
         self._pending_loss.clear()
-        progress.epoch_loss_sum += float(losses.sum())
-        progress.epoch_loss_count += losses.numel()
         step_loss = float(losses.mean()) if losses.numel() else float("nan")
+        preempted, diverged, stop = self._agree(preemption._requested, not math.isfinite(step_loss),
+                                                self._stop_request is not None)
+        if diverged:
+            self._diverged(f"the training loss is {step_loss} at step {progress.global_step}")
+        progress.interval_loss_sum += float(losses.sum())
+        progress.interval_loss_count += losses.numel()
         if self._bar is not None:
             rate = self._timer.samples / max(time.perf_counter() - self._timer.started, 1e-9)
             self._bar.update(1)
@@ -167,11 +250,20 @@ class TrainingLoop:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
         if torch.cuda.is_available():
             self._timer.gpu_util.append(_gpu_utilisation())
-        if preemption.requested_anywhere(self.accelerator):
+        if preempted:
             self._checkpoint_requeue_and_exit()
+        if stop:
+            self._take_stop_request()
         if cfg.max_steps is not None and progress.global_step >= cfg.max_steps:
             self.stopped = True
-        elif cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0:
+        if self.stopped or end_of_epoch:
+            return  # the epoch end / the loop's end evaluates and saves this step
+        if cfg.eval_every_steps and progress.global_step % cfg.eval_every_steps == 0:
+            self._evaluate_and_record()
+            if self._agree(stop=self._stop_request is not None)[2]:  # e.g. early stopping decided in evaluate()
+                self._take_stop_request()
+                return
+        if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0:
             self.save()
 
     def _checkpoint_requeue_and_exit(self) -> None:
@@ -186,53 +278,81 @@ class TrainingLoop:
         self.accelerator.end_training()
         raise SystemExit(0)
 
+    def _diverged(self, what: str) -> None:
+        progress = self.progress
+        kept = checkpoint.newest_complete(self.run.output_dir)
+        best = f"step_{progress.best_step}" if progress.best_step is not None else "none yet"
+        if self._bar is not None:
+            self._bar.close()
+        raise TrainingStopped(
+            f"{what}: the run stopped without saving this step; the last good checkpoint "
+            f"({kept.name if kept else 'none'}) and the best one ({best}) are kept and no result is reported; "
+            "lower --lr or check the data"
+        )
+
     # ---- epoch end: evaluate, record, checkpoint ----------------------------------------------------------
-    def end_epoch(self, evaluate) -> dict | None:
-        """Close the epoch (or the stop at --max-steps): evaluate when due, write metrics.csv, checkpoint."""
+    def end_epoch(self) -> dict | None:
+        """Close the epoch: evaluate when due (--eval-every epochs, or --eval-every-steps; always at the last
+        epoch) and mark a checkpoint due; it is written when the epoch's body is over, so a stop requested after
+        this evaluation is in it. Returns the metrics when it evaluated. Stopped mid-epoch: the loop's end does it."""
         cfg, progress = self.config, self.progress
-        completed = not self.stopped
-        timer = self._timer
-        epoch_time = time.perf_counter() - timer.started
-        progress.train_time_sec += epoch_time
-        train_loss = progress.epoch_loss_sum / progress.epoch_loss_count if progress.epoch_loss_count else None
-        epoch_number = progress.epoch + 1  # 1-based, the epoch just trained (partly, if stopped)
-        if completed:
-            progress.epoch += 1
-            progress.batches_done = 0
-            progress.epoch_loss_sum, progress.epoch_loss_count = 0.0, 0
+        if progress.batches_done < len(self.train_loader):
+            return None
+        progress.epoch += 1
+        progress.batches_done = 0
+        step = progress.global_step
         last = self.stopped or progress.epoch >= cfg.epochs
-        metrics = None
-        new_best = False
-        if last or (completed and progress.epoch % cfg.eval_every == 0):
-            self.model.eval()
-            with torch.no_grad():
-                metrics = evaluate()
-            self.model.train()
-            new_best = self._update_best(metrics)
-            progress.last_metrics = metrics
-            util = [u for u in timer.gpu_util if u is not None]
-            row = {
-                "epoch": epoch_number,
-                "step": progress.global_step,
-                "train_loss": train_loss,
-                **metrics,
-                # Empty timings when nothing was trained since the resume (it resumed at this epoch's very end).
-                "epoch_time_sec": round(epoch_time, 4) if timer.samples else None,
-                "throughput_samples_per_sec": (round(timer.samples / max(epoch_time, 1e-9), 2)
-                                               if timer.samples else None),
-                "data_load_time_sec": round(timer.data_sec, 4) if timer.samples else None,
-                "compute_time_sec": round(timer.compute_sec, 4) if timer.samples else None,
-                "cpu_util_avg": psutil.cpu_percent(),
-                "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
-                "world_size": self.accelerator.num_processes,
-            }
-            if self.run.is_main:
-                MetricsFile(self.run.output_dir).append(row)
-                tqdm.write(" ".join(f"{k}={_short(v)}" for k, v in row.items() if k in metrics or k in LEADING_COLUMNS))
-            self.accelerator.log({f"{k}": v for k, v in metrics.items()} | {"train/epoch_loss": train_loss or 0.0},
-                                 step=progress.global_step)
-        if last or new_best or (completed and cfg.checkpoint_every == 0):
-            self.save()
+        if cfg.eval_every_steps:
+            due = step % cfg.eval_every_steps == 0
+        else:
+            due = progress.epoch % cfg.eval_every == 0
+        metrics = self._evaluate_and_record() if due or last else None
+        new_best = metrics is not None and progress.best_step == step
+        self._save_due = last or new_best or cfg.checkpoint_every == 0 or step % cfg.checkpoint_every == 0
+        return metrics
+
+    def _final_evaluation_and_save(self) -> None:
+        if self.progress.last_eval_step != self.progress.global_step:
+            self._evaluate_and_record()
+        self.save()
+
+    def _evaluate_and_record(self) -> dict:
+        """Evaluate, refuse non-finite metrics, update the best, write the metrics.csv row, log."""
+        progress, timer = self.progress, self._timer
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.evaluate_fn()
+        self.model.train()
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            self._diverged(f"the validation metric {bad[0]} is {metrics[bad[0]]} at step {progress.global_step}")
+        self._update_best(metrics)
+        progress.last_metrics = metrics
+        progress.last_eval_step = progress.global_step
+        train_loss = progress.interval_loss_sum / progress.interval_loss_count if progress.interval_loss_count else None
+        interval = time.perf_counter() - timer.started
+        util = [u for u in timer.gpu_util if u is not None]
+        timed = timer.samples > 0  # empty timings when nothing was trained since the resume
+        row = {
+            "epoch": progress.epoch + (1 if progress.batches_done else 0),  # 1-based: the epoch the step is in
+            "step": progress.global_step,
+            "train_loss": train_loss,
+            **metrics,
+            "epoch_time_sec": round(interval, 4) if timed else None,
+            "throughput_samples_per_sec": round(timer.samples / max(interval, 1e-9), 2) if timed else None,
+            "data_load_time_sec": round(timer.data_sec, 4) if timed else None,
+            "compute_time_sec": round(timer.compute_sec, 4) if timed else None,
+            "cpu_util_avg": psutil.cpu_percent(),
+            "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
+            "world_size": self.accelerator.num_processes,
+        }
+        progress.train_time_sec += interval if timed else 0.0
+        if self.run.is_main:
+            MetricsFile(self.run.output_dir).append(row)
+            tqdm.write(" ".join(f"{k}={_short(v)}" for k, v in row.items() if k in metrics or k in LEADING_COLUMNS))
+        self.accelerator.log(dict(metrics) | {"train/mean_loss": train_loss or 0.0}, step=progress.global_step)
+        progress.interval_loss_sum, progress.interval_loss_count = 0.0, 0
+        self._timer = _IntervalTimer()
         return metrics
 
     def _update_best(self, metrics: dict) -> bool:
@@ -250,38 +370,58 @@ class TrainingLoop:
         step = self.progress.global_step
         if self._last_saved_step == step:
             return
-        checkpoint.save_checkpoint(self.accelerator, self.run.output_dir, step, dataclasses.asdict(self.progress))
+        if self.run.is_main:
+            self.progress.file_bytes = {name: _size(self.run.output_dir / name) for name in (METRICS_FILE, LOG_FILE)}
+        checkpoint.save_checkpoint(self.accelerator, self.run.output_dir, step, dataclasses.asdict(self.progress),
+                                   self.shared_state, self.rank_state)
         self._last_saved_step = step
         protect = {self.progress.best_step} if self.progress.best_step is not None else set()
         checkpoint.prune_checkpoints(self.accelerator, self.run.output_dir, self.config.keep_checkpoints, protect)
 
     # ---- the end --------------------------------------------------------------------------------------------
-    def finish(self, test=None, extra: dict | None = None) -> dict:
-        """Load the best-validation weights, run `test` on them, write summary.json and curves.png, end trackers."""
+    def load_best(self) -> Path | None:
+        """Load the best-validation weights (if they are not the current ones); returns their checkpoint."""
+        progress = self.progress
+        if self._bar is not None:
+            self._bar.close()
+        if progress.best_step is None:
+            return None
+        best_checkpoint = checkpoint.checkpoints_root(self.run.output_dir) / f"step_{progress.best_step}"
+        if progress.best_step != progress.global_step:
+            self.load_weights(best_checkpoint)
+        return best_checkpoint
+
+    def test(self, run_test) -> dict:
+        """Run `run_test()` (model in eval mode, no_grad) and keep its metrics for summary.json."""
+        self.model.eval()
+        with torch.no_grad():
+            metrics = run_test()
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            self._diverged(f"the test metric {bad[0]} is {metrics[bad[0]]} (best step {self.progress.best_step})")
+        self._test_metrics = dict(metrics)
+        return metrics
+
+    def finish(self, extra: dict | None = None) -> dict:
+        """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
         progress, run = self.progress, self.run
         if self._bar is not None:
             self._bar.close()
         best_checkpoint = None
         if progress.best_step is not None:
             best_checkpoint = checkpoint.checkpoints_root(run.output_dir) / f"step_{progress.best_step}"
-            if progress.best_step != progress.global_step:
-                self.load_weights(best_checkpoint)
-        test_metrics = {}
-        if test is not None:
-            self.model.eval()
-            with torch.no_grad():
-                test_metrics = test()
         summary = {
             "recipe": run.recipe,
             "run_name": run.run_name,
             "global_step": progress.global_step,
             "epochs_completed": progress.epoch,
             "world_size": self.accelerator.num_processes,
+            "stop_reason": progress.stop_reason,
             "final_metrics": progress.last_metrics,
             "best_step": progress.best_step,
             "best_metrics": progress.best_metrics,
             "best_checkpoint": str(best_checkpoint) if best_checkpoint else None,
-            "test_metrics_at_best": test_metrics,
+            "test_metrics_at_best": self._test_metrics,
             "train_time_sec": round(progress.train_time_sec, 2),
             "wall_time_sec": round(time.perf_counter() - self._run_started, 2),
             **(extra or {}),
@@ -289,8 +429,8 @@ class TrainingLoop:
         if run.is_main:
             write_json(run.output_dir / SUMMARY_FILE, summary)
             plot_curves(run.output_dir, self.main_metric)
-        if test_metrics:
-            self.accelerator.log({f"best/{k}": v for k, v in test_metrics.items()}, step=progress.global_step)
+        if self._test_metrics:
+            self.accelerator.log({f"best/{k}": v for k, v in self._test_metrics.items()}, step=progress.global_step)
         self.accelerator.end_training()
         return summary
 
@@ -299,9 +439,15 @@ class TrainingLoop:
         self.accelerator.unwrap_model(self.model).load_state_dict(state)
 
     @property
-    def total_steps(self) -> int | None:
-        total = self.steps_per_epoch * self.config.epochs
-        return min(total, self.config.max_steps) if self.config.max_steps is not None else total
+    def total_steps(self) -> int:
+        return total_training_steps(self.config, len(self.train_loader))
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _short(value):

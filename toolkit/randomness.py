@@ -1,12 +1,19 @@
 """Randomness keyed by what it belongs to, so results do not depend on the process count or on resuming.
 
-Sample-level randomness (sampled negatives) is a counter-based hash of (seed, purpose, epoch, sample, position),
-computed for a whole batch at once in torch. Step-level randomness (dropout) comes from the global torch RNG,
-reseeded from (seed, step, rank) before every micro-batch, so a resumed run draws the same masks as an
-uninterrupted one without depending on how many RNG draws happened before the checkpoint.
+Sample-level randomness (sampled negatives, per-sample coins such as HRM's exploration or DCRNN's teacher forcing)
+is a counter-based hash of (seed, purpose, ..., sample id), computed for a whole batch at once in torch:
+`keyed_hash`, `keyed_uniform`. It depends neither on the rank nor on the process count.
+
+Dropout: `KeyedDropout` draws the mask of the whole GLOBAL micro-batch from a generator seeded by
+(seed, micro-batch key, call number) and keeps this rank's rows of it, so a sample gets the same mask whichever
+rank holds it: N processes match one process with dropout on, and a resumed run matches an uninterrupted one.
+The loop announces each micro-batch with `begin_micro_batch`. Any other use of the global torch RNG is reseeded
+from (seed, step, rank) before every micro-batch (`step_seed`): exact on resume, but rank-dependent.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +36,75 @@ def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     return hashed
 
 
+def keyed_uniform(*keys: torch.Tensor | int) -> torch.Tensor:
+    """Uniform floats in [0, 1) (float64), a pure function of the integer keys: per-sample coins that do not
+    depend on the rank, e.g. keyed_uniform(seed, PURPOSE, step, sample_ids) < 0.1."""
+    return keyed_hash(*keys).double() / 2.0**32
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
-    """Seed for the global RNG before a micro-batch: dropout masks depend on (seed, step, rank) only."""
+    """Seed for the global RNG before a micro-batch: draws from it depend on (seed, step, rank) only."""
     return int(keyed_hash(seed, 0x5EED, step, rank))
+
+
+@dataclass
+class _MicroBatch:
+    seed: int
+    key: int
+    rank: int
+    world_size: int
+    calls: int = 0
+
+
+_current: _MicroBatch | None = None
+
+
+def begin_micro_batch(seed: int, key: int, rank: int, world_size: int) -> None:
+    """Called by the loop before each micro-batch: the key (epoch, batch) that KeyedDropout masks derive from."""
+    global _current
+    _current = _MicroBatch(seed, key, rank, world_size)
+
+
+def end_micro_batches() -> None:
+    global _current
+    _current = None
+
+
+def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout whose mask for a sample is the same on any rank and any process count (dim 0 = batch).
+
+    The mask of the global micro-batch [world_size * b, ...] is drawn from a generator seeded by (seed, key, call
+    number) and this rank's rows [rank * b, (rank + 1) * b) are kept: the rows a rank holds under split batches.
+    Outside a loop's micro-batch (no key announced) it is plain dropout.
+    """
+    if not training or p == 0.0:
+        return x
+    if _current is None:
+        return torch.nn.functional.dropout(x, p, training=True)
+    state = _current
+    state.calls += 1
+    seed = int(keyed_hash(state.seed, 0xD509, state.key, state.calls))
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    rows = x.shape[0]
+    draw = torch.rand((rows * state.world_size, *x.shape[1:]), generator=generator, device=x.device)
+    keep = draw[state.rank * rows:(state.rank + 1) * rows] >= p
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
+class KeyedDropout(torch.nn.Module):
+    """nn.Dropout with rank-free masks (see keyed_dropout); needs inputs with the batch as dim 0."""
+
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return keyed_dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
 
 
 def sample_negatives(

@@ -9,12 +9,14 @@ see exactly the batches one process would; the timeout reaches the first Partial
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,19 +24,30 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+    broadcast_object_list,
+    set_seed,
+)
 
-from toolkit import checkpoint, preemption
+from toolkit import checkpoint, orphans, preemption
 from toolkit.config import TrainConfig
 from toolkit.distributed import watch_peers
 from toolkit.errors import UsageError
-from toolkit.tracking import tracker_choice, tracker_init_kwargs, write_json
+from toolkit.tracking import tracker_choice, tracker_init_kwargs
 
 RUNS_ROOT = Path("runs")
+CONFIG_FILE = "config.json"
 
 
 @dataclass
 class Run:
+    """A started run: the process group and Accelerator exist, the run directory and resume point are chosen, but
+    nothing is written until `begin()` (called by TrainingLoop.start()), so bad input found while the recipe
+    prepares its data and model leaves nothing behind."""
+
     accelerator: Accelerator
     config: TrainConfig
     recipe: str
@@ -42,6 +55,10 @@ class Run:
     run_name: str
     run_id: str
     resume_checkpoint: Path | None
+    previous: dict | None = None  # the resumed run's config.json
+    resume_step: int = 0
+    extra_info: dict = dataclasses.field(default_factory=dict)
+    begun: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -51,10 +68,54 @@ class Run:
         """Print on the main process only."""
         self.accelerator.print(*args, flush=True)
 
+    def describe_data(self, fingerprint: str, **info) -> None:
+        """Record what the run trains on (config.json's "data"). On resume, a different fingerprint (another file,
+        or the same file changed) is refused: the batches skipped on resume would be the wrong ones."""
+        before = (self.previous or {}).get("data", {}).get("fingerprint")
+        if before is not None and before != fingerprint:
+            raise UsageError(
+                f"the data changed since the run in {self.output_dir} was started (fingerprint {before} -> "
+                f"{fingerprint}); resume with the same data, or start a new run with another --output-dir"
+            )
+        self.extra_info["data"] = {"fingerprint": fingerprint, **info}
 
-def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) -> Run:
+    def begin(self) -> None:
+        """Take the run directory: lock it (main process, for the life of the process), write config.json, start
+        the trackers. Every rank then checks that it sees the same directory (a filesystem shared by all machines)."""
+        if self.begun:
+            return
+        self.begun = True
+        accelerator = self.accelerator
+        problem = [None]
+        if self.is_main:
+            try:
+                _take_run_dir(self)
+            except UsageError as error:
+                problem[0] = str(error)
+        accelerator.wait_for_everyone()
+        if problem[0] is None and not self.is_main and os.environ.get("LOCAL_RANK", "0") == "0":
+            problem[0] = _shared_filesystem_problem(self)
+        _raise_if_any(accelerator, problem[0])
+        if accelerator.log_with:
+            accelerator.init_trackers(
+                self.config.wandb_project or self.recipe,
+                config=_flat_config(self),
+                init_kwargs=tracker_init_kwargs(self.output_dir, self.run_name, self.run_id),
+            )
+
+
+def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, *,
+              ddp_kwargs: dict | None = None, accelerator_kwargs: dict | None = None) -> Run:
+    """Form the process group, build the Accelerator, choose the run directory and resume point (writing nothing).
+
+    ddp_kwargs: passed to DDP (DistributedDataParallelKwargs, e.g. broadcast_buffers=False);
+    accelerator_kwargs: further Accelerator(...) arguments.
+    """
+    orphans.stop_when_launcher_dies()
     use_cpu = not torch.cuda.is_available()
     timeout = timedelta(seconds=config.dist_timeout)
+    if config.deterministic:  # cuBLAS needs this before CUDA starts, or use_deterministic_algorithms raises
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The process group first (with our timeout), so the main process can choose the run dir and share it.
     state = PartialState(cpu=use_cpu, timeout=timeout)
     _check_machines_agree(state)
@@ -63,11 +124,17 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
             f"--batch-size {config.batch_size} is not divisible by the {state.num_processes} processes; "
             f"give a multiple of {state.num_processes} (it is the GLOBAL batch, split over processes)"
         )
-    output_dir, resume_checkpoint, run_name, fresh_id = _shared(state, lambda: _resolve_run_dir(config, recipe))
-    run_id = fresh_id
+    output_dir, resume_checkpoint, run_name, fresh_id, previous, warnings = _shared(
+        state, lambda: _resolve_run_dir(config, recipe, state.num_processes)
+    )
+    run_id, resume_step = fresh_id, 0
     if resume_checkpoint is not None:
-        run_id = checkpoint.read_progress(resume_checkpoint).get("run_id", fresh_id)
+        saved = checkpoint.read_progress(resume_checkpoint)
+        run_id, resume_step = saved.get("run_id", fresh_id), int(saved["global_step"])
 
+    handlers = [InitProcessGroupKwargs(timeout=timeout)]
+    if ddp_kwargs:
+        handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
     accelerator = Accelerator(
         cpu=use_cpu,
         mixed_precision=config.mixed_precision,
@@ -77,8 +144,9 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
         ),
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "tensorboard")),
         log_with=tracker_choice(config.log_with, output_dir, state.is_main_process),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+        kwargs_handlers=handlers,
         dynamo_backend="inductor" if config.compile else None,
+        **(accelerator_kwargs or {}),
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UsageError(
@@ -88,22 +156,34 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None) 
     set_seed(config.seed, deterministic=config.deterministic)
     preemption.install_handler()
 
-    run = Run(accelerator, config, recipe, output_dir, run_name, run_id, resume_checkpoint)
+    run = Run(accelerator, config, recipe, output_dir, run_name, run_id, resume_checkpoint, previous, resume_step,
+              dict(extra_info or {}))
     watch_peers(accelerator.process_index, accelerator.num_processes, output_dir)
     _announce_rank(accelerator)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _write_config_json(run, extra_info or {})
-    accelerator.wait_for_everyone()
-    if accelerator.log_with:
-        accelerator.init_trackers(
-            config.wandb_project or recipe,
-            config=_flat_config(run),
-            init_kwargs=tracker_init_kwargs(output_dir, run_name, run_id),
-        )
+    for line in warnings:
+        run.print(line)
     where = f"resuming from {resume_checkpoint}" if resume_checkpoint else "fresh start"
     run.print(f"run {run_name}: {output_dir} ({where}); {accelerator.num_processes} process(es), {accelerator.device}")
+    if previous is not None and previous.get("world_size") != accelerator.num_processes:
+        run.print(f"resuming with {accelerator.num_processes} process(es) where the run had "
+                  f"{previous.get('world_size')}: the global batch ({config.batch_size}) is unchanged, and config.json "
+                  "records the change")
     return run
+
+
+def _raise_if_any(accelerator: Accelerator, problem: str | None) -> None:
+    """Every rank raises the first rank's problem (rank order), so all stop together with the same line."""
+    if accelerator.num_processes == 1:
+        if problem:
+            raise UsageError(problem)
+        return
+    import torch.distributed as dist
+
+    problems: list = [None] * accelerator.num_processes
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise UsageError(first)
 
 
 def _check_machines_agree(state: PartialState) -> None:
@@ -141,40 +221,192 @@ def _shared(state: PartialState, make):
     return value
 
 
-def _resolve_run_dir(config: TrainConfig, recipe: str) -> tuple[Path, Path | None, str, str]:
-    """(output_dir, checkpoint to resume or None, run name, a fresh run id)."""
+# Flags that may differ when a run is resumed: they change how long it runs, what it logs, where and how often it
+# saves, how it waits; never what a step computes. Any other change is refused.
+RESUMABLE_CHANGES = {
+    "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
+    "dist_timeout", "num_workers", "max_requeues", "output_dir", "resume_from", "run_name", "cache_dir",
+}
+
+
+def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
+    """(output_dir, checkpoint to resume or None, run name, a fresh run id, the resumed run's config.json, lines to
+    print). Checks everything it can without writing: the directory, its lock, the checkpoint, the flags."""
     run_id = secrets.token_hex(4)
     default_name = config.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}"
     output_dir = Path(config.output_dir) if config.output_dir is not None else None
+    if output_dir is not None:
+        _check_output_dir(output_dir)
     resume = config.resume_from
+    warnings: list[str] = []
     if resume == "auto":
         if output_dir is None:
-            output_dir = _newest_resumable_run(RUNS_ROOT / recipe)
-        found = checkpoint.newest_complete(output_dir) if output_dir is not None else None
+            output_dir = _newest_resumable_run(RUNS_ROOT / recipe, config)
+        found = None
+        if output_dir is not None and checkpoint.newest_complete(output_dir) is not None:
+            _check_not_locked(output_dir)
+            found = checkpoint.newest_intact(output_dir, say=warnings.append)
+            if found is None:
+                raise UsageError(f"--resume-from auto: every checkpoint in {output_dir}/checkpoints is damaged "
+                                 f"({warnings[-1].split('(', 1)[-1].split(')')[0]}); nothing was changed")
         if found is not None:
-            return output_dir, found, output_dir.name, run_id
+            previous = _previous_config(output_dir, config)
+            return output_dir, found, output_dir.name, run_id, previous, warnings
         output_dir = output_dir or RUNS_ROOT / recipe / default_name
         # A fresh start under `auto` may land in a directory that only has incomplete checkpoints: that is fine.
-        return output_dir, None, output_dir.name, run_id
+        _check_not_locked(output_dir)
+        return output_dir, None, output_dir.name, run_id, None, warnings
     if resume is not None:
         found = checkpoint.resolve_checkpoint_path(Path(resume))
         if output_dir is None:
             output_dir = found.parent.parent
-        return output_dir, found, output_dir.name, run_id
+        _check_not_locked(output_dir)
+        return output_dir, found, output_dir.name, run_id, _previous_config(found.parent.parent, config), warnings
     output_dir = output_dir or RUNS_ROOT / recipe / default_name
     if checkpoint.checkpoints_root(output_dir).exists() or (output_dir / "metrics.csv").exists():
         raise UsageError(
             f"--output-dir {output_dir} already holds a run; continue it with --resume-from auto "
             "or choose another --output-dir (nothing there is overwritten)"
         )
-    return output_dir, None, output_dir.name, run_id
+    _check_not_locked(output_dir)
+    return output_dir, None, output_dir.name, run_id, None, warnings
 
 
-def _newest_resumable_run(recipe_root: Path) -> Path | None:
+def _check_output_dir(output_dir: Path) -> None:
+    if str(output_dir) in ("", "."):
+        raise UsageError(f"--output-dir {str(output_dir)!r} is the current directory; give a directory for this run "
+                         "(e.g. runs/my-run)")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir {output_dir} is a file, not a directory; give a directory for this run")
+    ancestor = output_dir
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"--output-dir {output_dir}: {ancestor} is a file, so the directory cannot be made")
+    try:  # a real write (root ignores permission bits): create and remove a probe, leaving the tree as it was
+        fd, probe = tempfile.mkstemp(prefix=".toolkit-probe-", dir=ancestor)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise UsageError(f"--output-dir {output_dir} is not writable ({error.strerror} in {ancestor}); "
+                         "give a writable directory") from None
+
+
+def _config_values(config: TrainConfig) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _changed_flags(old: dict, new: dict) -> list[str]:
+    return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
+            for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
+
+
+def _read_config_json(run_dir: Path) -> dict | None:
+    """The run's config.json, or the newest config.previous-N.json if a life died between the two renames."""
+    candidates = [run_dir / CONFIG_FILE, *sorted(run_dir.glob("config.previous-*.json"),
+                                                 key=lambda p: int(p.stem.rsplit("-", 1)[-1]), reverse=True)]
+    for path in candidates:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
+    """The resumed run's config.json; refuses flags that changed what a step computes."""
+    previous = _read_config_json(run_dir)
+    if previous is None or not isinstance(previous.get("config"), dict):
+        raise UsageError(f"--resume-from: {run_dir}/{CONFIG_FILE} is missing or unreadable, so the run's settings "
+                         "cannot be checked; restore it or start a new run")
+    changed = _changed_flags(previous["config"], _config_values(config))
+    if changed:
+        raise UsageError(f"cannot resume {run_dir} with changed settings: {'; '.join(changed)}; use the run's "
+                         f"values (see its {CONFIG_FILE}) or start a new run with another --output-dir")
+    return previous
+
+
+def _newest_resumable_run(recipe_root: Path, config: TrainConfig) -> Path | None:
+    """The newest run of this recipe with a complete checkpoint AND the same settings (flags that may change on
+    resume aside): `--resume-from auto` never continues a run of another configuration."""
     if not recipe_root.is_dir():
         return None
-    runs = [p for p in recipe_root.iterdir() if p.is_dir() and checkpoint.newest_complete(p) is not None]
-    return max(runs, key=lambda p: checkpoint.newest_complete(p).stat().st_mtime, default=None)
+    new = _config_values(config)
+    runs = []
+    for path in recipe_root.iterdir():
+        newest = checkpoint.newest_complete(path) if path.is_dir() else None
+        previous = _read_config_json(path) if newest is not None else None
+        if previous and isinstance(previous.get("config"), dict) and not _changed_flags(previous["config"], new):
+            runs.append((newest.stat().st_mtime, path))
+    return max(runs)[1] if runs else None
+
+
+# ---- the run directory's lock: one live run per directory ------------------------------------------------------
+
+LOCK_FILE = ".lock"
+_held_lock = None  # the open lock file of this process (the kernel releases the lock when the process dies)
+
+
+def _lock_holder(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock ("host H pid P"), or None when nobody does."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return None
+    with open(path) as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read().strip() or "another process"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def _check_not_locked(run_dir: Path) -> None:
+    holder = _lock_holder(run_dir)
+    if holder:
+        raise UsageError(f"{run_dir} is in use by a live run ({holder}); wait for it to end or stop it, "
+                         "or use another --output-dir")
+
+
+def _take_run_dir(run: Run) -> None:
+    """Main process: make the directory, lock it for the life of this process, write config.json."""
+    global _held_lock
+    try:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run.output_dir / LOCK_FILE, "a+")
+    except OSError as error:
+        raise checkpoint.disk_error(error, run.output_dir) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UsageError(f"{run.output_dir} is in use by a live run ({holder}); wait for it to end or stop it, "
+                         "or use another --output-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    handle.flush()
+    _held_lock = handle
+    try:
+        _write_config_json(run)
+    except OSError as error:
+        raise checkpoint.disk_error(error, run.output_dir / CONFIG_FILE) from None
+
+
+def _shared_filesystem_problem(run: Run) -> str | None:
+    """Checkpoints are written by every rank into one directory that the main process renames: every machine
+    must see the main process's run directory. Checked by reading the run id it just wrote."""
+    try:
+        seen = json.loads((run.output_dir / CONFIG_FILE).read_text()).get("run_id")
+    except (OSError, ValueError):
+        seen = None
+    if seen == run.run_id:
+        return None
+    return (f"machine {os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '?'))} ({socket.gethostname()}) "
+            f"does not see the run directory {run.output_dir} that the main process writes: multi-node runs need "
+            "--output-dir on a filesystem shared by all machines (NFS, Lustre, ...)")
 
 
 def _announce_rank(accelerator: Accelerator) -> None:
@@ -197,14 +429,22 @@ def _flat_config(run: Run) -> dict:
     return values
 
 
-def _write_config_json(run: Run, extra_info: dict) -> None:
+def _write_config_json(run: Run) -> None:
     accelerator = run.accelerator
+    world_sizes = [{"from_step": 0, "world_size": accelerator.num_processes}]
+    if run.previous is not None:  # a resume: the process count may change (recorded here), nothing else may
+        first = {"from_step": 0, "world_size": run.previous.get("world_size")}
+        world_sizes = run.previous.get("world_sizes") or [first]
+        world_sizes = [w for w in world_sizes if w["from_step"] < run.resume_step] or world_sizes[:1]
+        if world_sizes[-1]["world_size"] != accelerator.num_processes:
+            world_sizes.append({"from_step": run.resume_step, "world_size": accelerator.num_processes})
     info = {
         "recipe": run.recipe,
         "run_name": run.run_name,
         "run_id": run.run_id,
-        "config": json.loads(json.dumps(dataclasses.asdict(run.config), default=str)),
+        "config": _config_values(run.config),
         "world_size": accelerator.num_processes,
+        "world_sizes": world_sizes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1")) or 1),
         "backend": accelerator.state.backend,
         "distributed_type": str(accelerator.distributed_type),
@@ -216,13 +456,20 @@ def _write_config_json(run: Run, extra_info: dict) -> None:
         "command": sys.argv,
         "versions": _versions(),
         "git_commit": _git_commit(),
-        **extra_info,
+        **run.extra_info,
     }
-    path = run.output_dir / "config.json"
+    # The new file is written completely first; only then is the earlier life's config.json moved aside.
+    path = run.output_dir / CONFIG_FILE
+    fresh = run.output_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
+    try:
+        fresh.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    except OSError:
+        fresh.unlink(missing_ok=True)
+        raise
     if path.exists():  # a resume: keep what the earlier life recorded
         previous = sorted(run.output_dir.glob("config.previous-*.json"))
         path.rename(run.output_dir / f"config.previous-{len(previous) + 1}.json")
-    write_json(path, info)
+    fresh.replace(path)
 
 
 def _versions() -> dict:

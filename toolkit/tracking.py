@@ -122,21 +122,12 @@ class MetricsFile:
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
 
 
-def truncate_after_step(path: Path, step: int) -> None:
-    """On resume, drop rows a crashed life wrote after the checkpoint's step: the resumed run writes them again."""
+def truncate_to_bytes(path: Path, size: int) -> None:
+    """On resume, cut an append-only file (metrics.csv, log.csv) back to its length when the checkpoint was saved:
+    whatever a later life wrote after it (rows, test results) is written again by the resumed run, once."""
     path = Path(path)
-    if not path.exists():
-        return
-    with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
-        fields = reader.fieldnames or []
-        rows = [row for row in reader if row.get("step") in ("", None) or int(row["step"]) <= step]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
+    if path.exists() and path.stat().st_size > size:
+        os.truncate(path, size)
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -4,12 +4,14 @@ Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py
 
     files        config.json, summary.json parse; metrics.csv parses; curves.png is a PNG
     completion   summary epochs_completed == config epochs; with config max_steps: global_step == max_steps
-                 (or every epoch done before reaching it)
+                 (or every epoch done before reaching it); or the run stopped early (summary stop_reason)
     metrics      metrics.csv has rows and the toolkit's columns plus val_* ones; steps strictly increase and end at
                  global_step; train_loss finite in every row
     results      final_metrics and best_metrics present, numbers finite (test_metrics_at_best too, when present)
-    checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker)
-    world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size)
+    checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker);
+                 every complete checkpoint's files match its MANIFEST.json (sha256)
+    world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size); a process
+                 count may change only at a resume recorded in config.json's world_sizes
     backend      config.json's backend is --expect-backend (only with that flag; `none` = a single process)
     throughput   throughput_samples_per_sec > 0 in every row that has one (at least one); wall_time_sec > 0
 
@@ -180,6 +182,8 @@ def _completion(config: dict | None, summary: dict | None) -> Check:
         check.problems.append(f"{CONFIG_FILE} has no config.epochs")
     if check.problems:
         return check
+    if summary.get("stop_reason"):  # ended early on purpose (early stopping): fewer epochs are expected
+        return check
     if max_steps is not None:
         # Stopped at --max-steps; or every epoch ended before that many steps (a run shorter than max_steps).
         if step != max_steps and done_epochs != epochs:
@@ -275,38 +279,53 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
                 saved = None
             if saved != number:
                 check.problems.append(f"{path.relative_to(run_dir)}/{checkpoint.PROGRESS_FILE} says step {saved}")
+    for path in checkpoint.complete_checkpoints(run_dir):
+        damage = checkpoint.damage_of(path)
+        if damage:
+            check.problems.append(f"{path.relative_to(run_dir)} is damaged: {damage}")
     return check
 
 
 def _world_size(
     config: dict | None, summary: dict | None, rows: list[dict] | None, expect_world_size: int | None
 ) -> Check:
+    """Every record agrees with the process count of the life that wrote it. config.json's world_sizes lists the
+    lives ({from_step, world_size}); a row at step s comes from the life that started before s (a row at exactly a
+    resume step may come from either: the earlier life evaluated, then saved the checkpoint the later one loaded)."""
     check = Check("world_size")
-    seen: dict[str, int | None] = {}
-    if config is not None:
-        seen[CONFIG_FILE] = _integer(config.get("world_size"))
-    if summary is not None:
-        seen[SUMMARY_FILE] = _integer(summary.get("world_size"))
-    for i, row in enumerate(rows or []):
-        seen[f"{METRICS_FILE} line {i + 2}"] = _integer(row.get("world_size"))
-    if not seen:
+    if config is None and summary is None and rows is None:
         return Check("world_size", skipped=f"needs {CONFIG_FILE}, {SUMMARY_FILE} or {METRICS_FILE}")
-    for name, value in seen.items():
-        if value is None or value < 1:
-            check.problems.append(f"{name} has no valid world_size")
-    sizes = {v for v in seen.values() if v is not None}
-    if len(sizes) > 1:
-        by_size: dict[int, list[str]] = {}
-        for name, value in seen.items():
-            if value is not None:
-                by_size.setdefault(value, []).append(name)
-        check.problems.append(
-            "world_size disagrees: " + "; ".join(f"{', '.join(names)} say(s) {size}" for size, names in by_size.items())
-        )
+    lives = (config or {}).get("world_sizes")
+    if not isinstance(lives, list) or not lives:
+        lives = [{"from_step": 0, "world_size": _integer((config or {}).get("world_size"))}]
+    try:
+        lives = sorted(((int(w["from_step"]), _integer(w["world_size"])) for w in lives), key=lambda w: w[0])
+    except (KeyError, TypeError, ValueError):
+        check.problems.append(f"{CONFIG_FILE} world_sizes is malformed")
+        return check
+    final = lives[-1][1]
+    if config is not None and _integer(config.get("world_size")) != final:
+        check.problems.append(f"{CONFIG_FILE} world_size {config.get('world_size')} != its last world_sizes entry "
+                              f"{final}")
+    if summary is not None and _integer(summary.get("world_size")) != final:
+        check.problems.append(f"{SUMMARY_FILE} says world size {summary.get('world_size')}, the last life had {final}")
+    for i, row in enumerate(rows or []):
+        size, step = _integer(row.get("world_size")), _integer(row.get("step"))
+        if size is None or size < 1:
+            check.problems.append(f"{METRICS_FILE} line {i + 2} has no valid world_size")
+            continue
+        if step is None:
+            continue
+        allowed = {w for start, w in lives if start <= step}
+        writer = [w for start, w in lives if start < step] or [lives[0][1]]
+        if size != writer[-1] and not (size in allowed and any(start == step for start, _ in lives)):
+            check.problems.append(f"{METRICS_FILE} line {i + 2} (step {step}) says world size {size}, but the run "
+                                  f"had {writer[-1]} process(es) then (config.json world_sizes)")
+    sizes = {w for _, w in lives}
     if expect_world_size is not None and sizes != {expect_world_size}:
         check.problems.append(
             f"expected world size {expect_world_size}, the run had "
-            f"{', '.join(map(str, sorted(sizes))) or 'none recorded'}"
+            f"{', '.join(map(str, sorted(s for s in sizes if s is not None))) or 'none recorded'}"
         )
     return check
 

@@ -9,6 +9,8 @@ model computes x = post_norm(x + F(x)) and mHC (manifold-constrained hyper-conne
 2512.24880) can wrap the very same branches. The mHC parameters live only in `self.hyper`; everything else has
 the plain model's names, so `mhc.load_state_dict(plain.state_dict(), strict=False)` copies all shared weights,
 and a freshly initialised mHC model computes what the plain model computes.
+
+Dropout is keyed (toolkit.randomness.KeyedDropout): a sample's masks do not depend on which rank holds it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from toolkit.randomness import KeyedDropout, keyed_dropout
 
 NORMS = ("post", "pre", "original")
 
@@ -47,8 +51,13 @@ class SelfAttention(nn.Module):
         q = self._split(self.query(query_in))
         k, v = self._split(self.key(kv_in)), self._split(self.value(kv_in))
         p = self.dropout if self.training else 0.0
-        if not self.time_aware:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if not self.time_aware and p == 0.0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif not self.time_aware:  # dropout on the attention weights: keyed, so it is the same on any rank
+            length = q.shape[-2]
+            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            out = keyed_dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p) @ v
         else:
             out = self._time_aware(q, k, v, positions, intervals, p)
         return self.out(out.transpose(-3, -2).flatten(-2))
@@ -68,7 +77,7 @@ class SelfAttention(nn.Module):
         logits = q @ k.transpose(-1, -2) + (q @ interval_keys.transpose(-1, -2)).gather(-1, index)
         logits = logits / math.sqrt(q.shape[-1])
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        weights = F.dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p, self.training)
+        weights = keyed_dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p, self.training)
         bins = weights.new_zeros(*weights.shape[:-1], self.interval_value.num_embeddings)
         bins.scatter_add_(-1, index, weights)
         return weights @ v + bins @ self._split(self.interval_value.weight)
@@ -82,8 +91,8 @@ class FeedForward(nn.Module):
         self.inner, self.outer, self.dropout = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(F.dropout(self.inner(x), self.dropout, self.training))
-        return F.dropout(self.outer(x), self.dropout, self.training)
+        x = F.relu(keyed_dropout(self.inner(x), self.dropout, self.training))
+        return keyed_dropout(self.outer(x), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -194,7 +203,7 @@ class SASRec(nn.Module):
         self.item_embedding = nn.Embedding(num_items + 1, hidden, padding_idx=0)
         if not time_aware:  # TiSASRec adds positions inside each attention layer instead
             self.position_embedding = nn.Embedding(maxlen, hidden)
-        self.embedding_dropout = nn.Dropout(dropout)
+        self.embedding_dropout = KeyedDropout(dropout)
         self.blocks = nn.ModuleList(
             Block(hidden, heads, dropout, norm, time_aware=time_aware, maxlen=maxlen, time_span=time_span)
             for _ in range(blocks)

@@ -1,0 +1,162 @@
+"""The toolkit API the model families build on, through a tiny toy recipe (tests/toy_recipe.py): extra and per-rank
+checkpoint state, step cadence, keyed randomness and dropout, early stopping, the split finish, DDP arguments;
+each checked for bit-exact resume and N processes = 1 process. Also: resume keeps metrics.csv and log.csv true at
+every kind of resume point, a non-finite loss or metric stops the run, and the process count may change at a
+resume."""
+
+import csv
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import TOY, final_weights, ranks_seen, run_recipe
+from safetensors.torch import load_file
+
+from toolkit.verify import verify_run
+
+pytestmark = pytest.mark.slow
+
+# 409 training rows, batch 64: 6 steps per epoch. Evaluations and checkpoints every 3 steps, so step 6 is an epoch
+# end that is also an evaluation and a checkpoint step, and step 9 is an evaluation + checkpoint step mid-epoch.
+TOY_ARGS = ["--eval-every-steps", "3", "--checkpoint-every", "3", "--keep-checkpoints", "20"]
+TIMING = {"epoch_time_sec", "throughput_samples_per_sec", "data_load_time_sec", "compute_time_sec", "cpu_util_avg",
+          "gpu_util_avg"}
+
+
+def metrics_rows(run_dir):
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def assert_same_run(a, b, step):
+    assert (a / "checkpoints" / f"step_{step}" / "model.safetensors").read_bytes() == \
+        (b / "checkpoints" / f"step_{step}" / "model.safetensors").read_bytes()
+    assert metrics_rows(a) == metrics_rows(b)
+    assert (a / "log.csv").read_text() == (b / "log.csv").read_text()
+    assert verify_run(b) == []
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 1-process run: 3 epochs, 18 steps."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run_recipe([*TOY_ARGS, "--output-dir", str(out)], recipe=TOY)
+    assert verify_run(out) == []
+    return out
+
+
+@pytest.mark.parametrize("resume_step", [6, 9], ids=["epoch-end-eval-checkpoint", "mid-epoch-eval-checkpoint"])
+def test_resume_from_an_older_checkpoint_reproduces_the_run(straight, resume_step, tmp_path):
+    # A later life wrote rows, log lines, test results and checkpoints after step N; resuming from step N must
+    # cut exactly those off and write them again, once.
+    copy = tmp_path / "run"
+    shutil.copytree(straight, copy)
+    run_recipe([*TOY_ARGS, "--resume-from", str(copy / "checkpoints" / f"step_{resume_step}")], recipe=TOY)
+    assert_same_run(straight, copy, 18)
+    assert [int(r["step"]) for r in metrics_rows(copy)] == [3, 6, 9, 12, 15, 18]
+
+
+def test_extending_a_finished_run_matches_the_longer_run(straight, tmp_path):
+    out = tmp_path / "run"
+    run_recipe([*TOY_ARGS, "--epochs", "2", "--output-dir", str(out)], recipe=TOY)
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 12
+    run_recipe([*TOY_ARGS, "--epochs", "3", "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY)
+    assert_same_run(straight, out, 18)
+    log = (out / "log.csv").read_text()
+    assert log.count("best/test_mse") == 1  # the shorter run's test result was cut off and written again once
+
+
+def test_resume_needs_the_extra_and_per_rank_state(straight, tmp_path):
+    """Without restoring the loss EMA (shared) or the carry (per rank) the resumed run would differ: the
+    checkpoint holds them, and they change the training."""
+    saved = tmp_path / "run"
+    shutil.copytree(straight, saved)
+    step_9 = saved / "checkpoints" / "step_9"
+    shared = torch.load(step_9 / "extra_state.pt", weights_only=False)
+    carry = torch.load(step_9 / "rank_state_0.pt", weights_only=False)
+    assert 0 < float(shared["loss_ema"]["value"]) < 1 and carry["carry"]["last"].shape == (64, 1)
+    no_carry = tmp_path / "no-carry"
+    run_recipe([*TOY_ARGS, "--no-carry", "--output-dir", str(no_carry)], recipe=TOY)
+    assert not torch.equal(final_weights(no_carry, 18)["0.weight"], final_weights(straight, 18)["0.weight"])
+
+
+def test_two_processes_resume_bit_exact_and_match_one_process(straight, tmp_path):
+    straight_two, resumed_two = tmp_path / "two", tmp_path / "two-resumed"
+    first = run_recipe([*TOY_ARGS, "--output-dir", str(straight_two)], recipe=TOY, config="cpu_2proc.yaml")
+    assert ranks_seen(first.stderr) == {(0, 2), (1, 2)}
+    assert first.stderr.count("ddp broadcast_buffers=False") == 2  # start_run(ddp_kwargs=...) reached DDP
+    run_recipe([*TOY_ARGS, "--max-steps", "9", "--output-dir", str(resumed_two)], recipe=TOY, config="cpu_2proc.yaml")
+    run_recipe([*TOY_ARGS, "--output-dir", str(resumed_two), "--resume-from", "auto"], recipe=TOY,
+               config="cpu_2proc.yaml")
+    assert_same_run(straight_two, resumed_two, 18)
+    # N = 1 with dropout 0.2, per-sample feature coins and the carry all on: the same training up to float sums.
+    one, two = final_weights(straight, 18), final_weights(straight_two, 18)
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, worst
+    losses = [[float(r["train_loss"]) for r in metrics_rows(d)] for d in (straight, straight_two)]
+    assert max(abs(a - b) for a, b in zip(*losses, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("first, second", [(None, "cpu_2proc.yaml"), ("cpu_2proc.yaml", None)], ids=["1to2", "2to1"])
+def test_process_count_may_change_at_a_resume(first, second, tmp_path):
+    args = [*TOY_ARGS, "--no-carry"]
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    run_recipe([*args, "--output-dir", str(reference)], recipe=TOY)
+    run_recipe([*args, "--max-steps", "9", "--output-dir", str(out)], recipe=TOY, config=first)
+    resumed = run_recipe([*args, "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY, config=second)
+    assert "where the run had" in resumed.stdout
+    config = json.loads((out / "config.json").read_text())
+    sizes = [1, 2] if first is None else [2, 1]
+    assert config["world_sizes"] == [{"from_step": 0, "world_size": sizes[0]}, {"from_step": 9, "world_size": sizes[1]}]
+    assert verify_run(out) == []
+    a, b = final_weights(reference, 18), final_weights(out, 18)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_per_rank_state_refuses_another_process_count(tmp_path):
+    out = tmp_path / "run"
+    run_recipe([*TOY_ARGS, "--max-steps", "3", "--output-dir", str(out)], recipe=TOY)
+    result = run_recipe([*TOY_ARGS, "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY,
+                        config="cpu_2proc.yaml", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and "per-rank state (carry)" in errors[0], result.stderr
+
+
+def test_early_stopping_ends_with_a_final_checkpoint_and_verifies(tmp_path):
+    out = tmp_path / "run"
+    result = run_recipe([*TOY_ARGS, "--patience", "2", "--min-delta", "10", "--output-dir", str(out)], recipe=TOY)
+    assert "stopping at step 9" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("val_mse has not improved") and summary["global_step"] == 9
+    progress = json.loads((out / "checkpoints" / "step_9" / "progress.json").read_text())
+    assert progress["stop_reason"] == summary["stop_reason"]  # a resume does not train on
+    assert verify_run(out) == []
+    again = run_recipe([*TOY_ARGS, "--patience", "2", "--min-delta", "10", "--output-dir", str(out),
+                        "--resume-from", "auto"], recipe=TOY)
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 9, again.stdout
+
+
+def test_finish_runs_artifacts_with_gradients_on_the_best_weights(straight):
+    jacobian = torch.load(straight / "jacobian.pt")
+    assert jacobian.shape == (5,) and torch.isfinite(jacobian).all() and jacobian.abs().sum() > 0
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["test"]["test_mse"] == summary["test_metrics_at_best"]["test_mse"]
+    best = load_file(str(straight / "checkpoints" / f"step_{summary['best_step']}" / "model.safetensors"))
+    assert best["0.weight"].shape == (16, 5)
+
+
+@pytest.mark.parametrize("hook, what", [("--diverge-at-step", "the training loss is nan at step 8"),
+                                         ("--nan-metric-at-step", "the validation metric val_mse is nan at step 9")])
+def test_non_finite_loss_or_metric_stops_with_one_line_and_keeps_the_good_checkpoints(hook, what, tmp_path):
+    out = tmp_path / "run"
+    step = "8" if hook == "--diverge-at-step" else "9"
+    result = run_recipe([*TOY_ARGS, hook, step, "--output-dir", str(out)], recipe=TOY, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and what in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "summary.json").exists()  # never reported as a result
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    rows = metrics_rows(out)
+    assert [r["step"] for r in rows] == ["3", "6"] and all("nan" not in r["val_mse"] for r in rows)
+    assert "best one (step_6)" in errors[0]
