@@ -186,12 +186,13 @@ def _completion(config: dict | None, summary: dict | None) -> Check:
         return check
     if max_steps is not None:
         # Stopped at --max-steps; or every epoch ended before that many steps (a run shorter than max_steps).
-        if step != max_steps and done_epochs != epochs:
+        # (A resume with a smaller --max-steps or --epochs than already done ends at once: more is fine.)
+        if step < max_steps and done_epochs < epochs:
             check.problems.append(
-                f"global_step {step} != config max_steps {max_steps} (and {done_epochs} of {epochs} epochs completed)"
+                f"global_step {step} < config max_steps {max_steps} (and {done_epochs} of {epochs} epochs completed)"
             )
-    elif done_epochs != epochs:
-        check.problems.append(f"epochs_completed {done_epochs} != config epochs {epochs}")
+    elif done_epochs < epochs:
+        check.problems.append(f"epochs_completed {done_epochs} < config epochs {epochs}")
     return check
 
 

@@ -1,0 +1,171 @@
+"""Faults a user meets: damaged checkpoints, a second run on a live run's directory, a killed launcher, resume with
+changed settings, machines without a shared filesystem, a full disk. Each ends in one line and loses nothing."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import CONFIGS, ROOT, TOY, recipe_env, run_recipe, start_machines
+
+from toolkit import checkpoint
+from toolkit.verify import verify_run
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--checkpoint-every", "3", "--keep-checkpoints", "10", "--eval-every-steps", "3"]
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    run_recipe([*ARGS, "--max-steps", "9", "--output-dir", str(out)], recipe=TOY)
+    return out
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path):
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def _random_4k(path):
+    data = bytearray(path.read_bytes())
+    data[-4096:] = os.urandom(min(4096, len(data)))
+    path.write_bytes(bytes(data))
+
+
+def _empty_progress(path):
+    path.write_text("{}")
+
+
+@pytest.mark.parametrize("damage, name", [
+    (_truncate, "model.safetensors"), (_garbage, "optimizer.bin"), (_random_4k, "model.safetensors"),
+    (_empty_progress, "progress.json"), (lambda p: p.unlink(), "extra_state.pt"),
+], ids=["truncated-model", "garbage-optimizer", "random-4k-weights", "empty-progress", "missing-state"])
+def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_path(finished, damage, name, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    newest = out / "checkpoints" / "step_9"
+    damage(newest / name)
+    assert any("step_9 is damaged" in p and name in p for p in verify_run(out))
+
+    explicit = run_recipe([*ARGS, "--max-steps", "12", "--resume-from", str(newest)], recipe=TOY, check=False)
+    assert explicit.returncode == 2 and len(error_lines(explicit)) == 1, explicit.stderr
+    assert f"{newest} is damaged" in error_lines(explicit)[0] and name in error_lines(explicit)[0]
+    assert "Traceback" not in explicit.stderr
+
+    auto = run_recipe([*ARGS, "--max-steps", "12", "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY)
+    warning = [line for line in auto.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warning) == 1 and name in warning[0] and "resuming from step_6 instead" in warning[0], auto.stdout
+    assert "resumed at epoch 1, batch 0, step 6" in auto.stdout
+
+
+def test_a_run_directory_has_one_live_run_and_dead_launchers_take_their_workers(tmp_path):
+    out = tmp_path / "run"
+    args = [*ARGS, "--epochs", "100000", "--samples", "4096", "--no-carry", "--output-dir", str(out)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
+         "--main_process_port", "0", TOY, *args], cwd=ROOT, env=recipe_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while checkpoint.newest_complete(out) is None:
+            assert time.monotonic() < deadline and launcher.poll() is None, "no checkpoint was written"
+            time.sleep(0.05)  # polling a condition (a checkpoint exists), not a timed wait
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "toy_recipe" in " ".join(
+            p.cmdline())]
+        assert len(workers) == 2
+
+        second = run_recipe([*args, "--resume-from", "auto"], recipe=TOY, check=False)
+        assert second.returncode == 2 and len(error_lines(second)) == 1, second.stderr
+        holder = json.loads((out / "config.json").read_text())
+        assert "is in use by a live run (host " in error_lines(second)[0] and "pid" in error_lines(second)[0]
+        assert holder["run_id"]  # the live run's files are untouched by the refused one
+
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        killed_at = time.monotonic()
+        gone = psutil.wait_procs(workers, timeout=20)[1]
+        assert not gone, f"workers still alive {time.monotonic() - killed_at:.1f} s after the launcher died"
+    finally:
+        for proc in psutil.Process(os.getpid()).children(recursive=True):
+            if "toy_recipe" in " ".join(proc.cmdline()):
+                proc.kill()
+    # At once, on one process: it resumes from the newest complete checkpoint (--epochs may change) and ends.
+    resumed = run_recipe([*args, "--epochs", "1", "--resume-from", "auto"], recipe=TOY, check=False)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert verify_run(out) == []
+
+
+@pytest.mark.parametrize("flag, value", [("--batch-size", "32"), ("--seed", "3"), ("--lr", "0.1"),
+                                         ("--grad-accum", "2"), ("--samples", "256")])
+def test_resume_with_changed_settings_is_refused(finished, flag, value, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    result = run_recipe([*ARGS, "--output-dir", str(out), "--resume-from", "auto", flag, value], recipe=TOY,
+                        check=False)
+    assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr
+    assert "cannot resume" in error_lines(result)[0] and flag in error_lines(result)[0]
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_resume_with_allowed_changes_and_auto_never_picks_another_configuration(finished, tmp_path):
+    runs = tmp_path / "runs" / "toy"
+    shutil.copytree(finished, runs / "a")
+    other = run_recipe([*ARGS, "--max-steps", "3", "--seed", "5"], recipe=TOY, cwd=tmp_path)  # the newest run
+    assert "fresh start" in other.stdout
+    result = run_recipe([*ARGS, "--max-steps", "12", "--resume-from", "auto", "--log-every", "5"], recipe=TOY,
+                        cwd=tmp_path)
+    assert "resuming from runs/toy/a/checkpoints/step_9" in result.stdout, result.stdout
+
+
+def test_machines_without_a_shared_filesystem_are_told_in_one_line(tmp_path):
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    machines = start_machines([*ARGS, "--max-steps", "3", "--output-dir", "run"], config="2node_cpu.yaml", recipe=TOY,
+                              cwds=[node0, node1])
+    outputs = [m.communicate(timeout=300) for m in machines]
+    assert all(m.returncode != 0 for m in machines), outputs
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "machine 1" in errors[0] and "shared by all machines" in errors[0], errors
+    assert not (node1 / "run").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_disk):
+    out = small_disk / "run"
+    # Each checkpoint is ~25 kB (14 kB of RNG state): a 400 kB disk fills after a few of them.
+    result = run_recipe([*ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "1000", "--epochs", "50",
+                         "--output-dir", str(out)], recipe=TOY, check=False)
+    errors = error_lines(result)
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"no space left on the disk at {small_disk}" in errors[0] and str(out) in errors[0]
+    assert "Traceback" not in result.stderr
+    root = out / "checkpoints"
+    assert not list(root.glob(".step_*.saving"))  # no staging dir left behind
+    complete = checkpoint.complete_checkpoints(out)
+    assert complete and all(checkpoint.damage_of(p) is None for p in complete)
