@@ -17,19 +17,104 @@ def _fails_with(result, *fragments):
     return errors[0]
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--data-path", "/no/such/ratings.dat"], ["--data-path", "/no/such/ratings.dat", "does not exist"]),
-    (["--variant", "transformer-xl"], ["--variant", "transformer-xl", "sasrec"]),
-    (["--batch-size", "-8"], ["--batch-size", "-8", "positive"]),
-    (["--mixed-precision", "fp16"], ["fp16", "bf16"]),
-    (["--norm", "sideways"], ["--norm", "sideways"]),
-])
-def test_bad_flag_is_one_line_error_before_training(args, fragments, tmp_path):
-    out = tmp_path / "run"
-    result = run_recipe([*TINY, "--output-dir", str(out), *args], check=False)
+def _file(name, content):
+    """A data file the case writes into its own directory."""
+    def make(case_dir):
+        path = case_dir / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+    return make
+
+
+def _dir(case_dir):
+    (case_dir / "empty").mkdir()
+    return str(case_dir / "empty")
+
+
+GOOD_ROWS = "".join(f"{u}\t{i}\t4\t{1000 + 10 * u + i}\n" for u in range(1, 6) for i in range(1, 30))
+
+# (id, flags, fragments the one error line must contain). A callable in the flags makes a file/dir in the case's
+# own directory first. Every case: exit 2, ONE `error:` line, no traceback, the directory tree unchanged.
+BAD_INPUTS = [
+    ("variant", ["--variant", "transformer-xl"], ["--variant", "transformer-xl"]),
+    ("norm", ["--norm", "sideways"], ["--norm", "sideways"]),
+    ("loss", ["--loss", "hinge"], ["--loss", "hinge"]),
+    ("dataset", ["--dataset", "ml-25m"], ["--dataset", "ml-25m"]),
+    ("batch-negative", ["--batch-size", "-8"], ["--batch-size", "-8", "positive"]),
+    ("batch-zero", ["--batch-size", "0"], ["--batch-size", "0"]),
+    ("batch-text", ["--batch-size", "abc"], ["--batch-size", "abc"]),
+    ("batch-larger-than-data", ["--batch-size", "4096"], ["--batch-size 4096", "training users"]),
+    ("epochs-zero", ["--epochs", "0"], ["--epochs", "0"]),
+    ("grad-accum-zero", ["--grad-accum", "0"], ["--grad-accum", "0"]),
+    ("lr-zero", ["--lr", "0"], ["--lr", "0"]),
+    ("lr-negative", ["--lr", "-1"], ["--lr", "-1"]),
+    ("lr-inf", ["--lr", "inf"], ["--lr", "inf", "finite"]),
+    ("lr-nan", ["--lr", "nan"], ["--lr", "nan"]),
+    ("seed-negative", ["--seed", "-1"], ["--seed", "-1"]),
+    ("seed-too-large", ["--seed", "99999999999"], ["--seed", "99999999999"]),
+    ("weight-decay-negative", ["--weight-decay", "-1"], ["--weight-decay", "-1"]),
+    ("warmup-negative", ["--warmup-steps", "-5"], ["--warmup-steps", "-5"]),
+    ("dropout-one", ["--dropout", "1.0"], ["--dropout", "1.0"]),
+    ("dropout-negative", ["--dropout", "-0.1"], ["--dropout", "-0.1"]),
+    ("hidden-zero", ["--hidden", "0"], ["--hidden", "0"]),
+    ("heads-not-dividing", ["--heads", "3"], ["--hidden 16", "--heads 3"]),
+    ("blocks-zero", ["--blocks", "0"], ["--blocks", "0"]),
+    ("maxlen-zero", ["--maxlen", "0"], ["--maxlen", "0"]),
+    ("time-span-zero", ["--time-span", "0"], ["--time-span", "0"]),
+    ("mhc-streams-zero", ["--mhc-streams", "0"], ["--mhc-streams", "0"]),
+    ("eval-negatives-zero", ["--eval-negatives", "0"], ["--eval-negatives", "0"]),
+    ("eval-negatives-above-catalogue", ["--eval-negatives", "5000"], ["--eval-negatives 5000", "at most"]),
+    ("max-steps-zero", ["--max-steps", "0"], ["--max-steps", "0"]),
+    ("checkpoint-every-negative", ["--checkpoint-every", "-1"], ["--checkpoint-every", "-1"]),
+    ("keep-checkpoints-zero", ["--keep-checkpoints", "0"], ["--keep-checkpoints", "0"]),
+    ("eval-every-zero", ["--eval-every", "0"], ["--eval-every", "0"]),
+    ("eval-every-steps-negative", ["--eval-every-steps", "-1"], ["--eval-every-steps", "-1"]),
+    ("log-every-zero", ["--log-every", "0"], ["--log-every", "0"]),
+    ("num-workers-negative", ["--num-workers", "-1"], ["--num-workers", "-1"]),
+    ("dist-timeout-zero", ["--dist-timeout", "0"], ["--dist-timeout", "0"]),
+    ("max-grad-norm-negative", ["--max-grad-norm", "-1"], ["--max-grad-norm", "-1"]),
+    ("max-requeues-negative", ["--max-requeues", "-1"], ["--max-requeues", "-1"]),
+    ("fp16-on-cpu", ["--mixed-precision", "fp16"], ["fp16", "bf16"]),
+    ("tracker", ["--log-with", "mlflow"], ["--log-with", "mlflow"]),
+    ("unknown-flag", ["--no-such-flag", "1"], ["--no-such-flag"]),
+    ("output-dir-empty", ["--output-dir", ""], ["--output-dir", "current directory"]),
+    ("output-dir-is-a-file", ["--output-dir", _file("taken", "a file")], ["--output-dir", "is a file"]),
+    ("output-dir-unwritable", ["--output-dir", "/proc/self/run"], ["--output-dir", "/proc/self/run"]),
+    ("resume-missing", ["--resume-from", "/no/such/run"], ["--resume-from", "/no/such/run", "does not exist"]),
+    ("resume-not-a-checkpoint", ["--resume-from", _dir], ["--resume-from", "not a checkpoint"]),
+    ("ml-1m-without-path", ["--dataset", "ml-1m"], ["--dataset ml-1m", "--data-path"]),
+    ("data-missing", ["--data-path", "/no/such/ratings.dat"], ["--data-path", "/no/such/ratings.dat"]),
+    ("data-dir-without-ratings", ["--data-path", _dir], ["--data-path", "u.data"]),
+    ("data-empty", ["--data-path", _file("u.data", "")], ["--data-path", "u.data"]),
+    ("data-garbage", ["--data-path", _file("u.data", bytes(range(256)) * 8)], ["--data-path", "u.data"]),
+    ("data-text", ["--data-path", _file("notes.txt", "these are my notes\nnot ratings\n")], ["notes.txt"]),
+    ("data-malformed", ["--data-path", _file("u.data", GOOD_ROWS + "7\t8\n")], ["u.data"]),
+    ("data-two-rows", ["--data-path", _file("u.data", "1\t1\t5\t100\n1\t2\t5\t200\n")], ["u.data"]),
+    ("data-user-not-a-number", ["--data-path", _file("u.data", GOOD_ROWS + "bob\t3\t4\t5000\n" + GOOD_ROWS)],
+     ["u.data", "line 146"]),
+    ("data-negative-item", ["--data-path", _file("u.data", GOOD_ROWS + "3\t-4\t4\t5000\n")],
+     ["u.data", "line 146"]),
+]
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("flags, fragments", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, tmp_path, movielens_cache):
+    flags = [flag(tmp_path) if callable(flag) else flag for flag in flags]
+    output = ["--output-dir", str(tmp_path / "run")] if "--output-dir" not in flags else []
+    before = _tree(tmp_path)
+    result = run_recipe([*TINY, *output, *flags], check=False, cwd=tmp_path)
     _fails_with(result, *fragments)
-    assert result.returncode == 2
-    assert not (out / "checkpoints").exists() and not (out / "metrics.csv").exists()
+    assert result.returncode == 2, result.stderr
+    assert not any(line.startswith("error:") for line in result.stdout.splitlines())
+    assert _tree(tmp_path) == before  # nothing created, nothing changed
+
+
+def test_the_table_is_long_enough():
+    assert len(BAD_INPUTS) >= 40
 
 
 def test_batch_not_divisible_by_process_count(tmp_path):
