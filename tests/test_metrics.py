@@ -34,3 +34,14 @@ def test_constant_scores_give_zero_not_perfect_metrics():
     # A model that scores everything equal must not look perfect: 100 tied negatives put the target last.
     ranks = rank_of_target(torch.zeros(4), torch.zeros(4, 100))
     assert hit_rate_and_ndcg(ranks, k=10) == (0.0, 0.0)
+
+
+def test_non_finite_scores_never_help_the_target():
+    nan, inf = float("nan"), float("inf")
+    target = torch.tensor([nan, inf, 1.0, 1.0])
+    others = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [nan, 0.0, 0.0], [-inf, 0.0, 0.0]])
+    assert rank_of_target(target, others).tolist() == [3, 3, 1, 1]
+    diverged = rank_of_target(torch.full((5,), nan), torch.full((5, 100), nan))
+    assert hit_rate_and_ndcg(diverged, k=10) == (0.0, 0.0)  # not 1.0 and 1.0
+    valid = torch.tensor([[True, False, False]])
+    assert rank_of_target(torch.tensor([nan]), torch.zeros(1, 3), valid).tolist() == [1]

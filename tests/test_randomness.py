@@ -43,3 +43,50 @@ def test_negatives_change_with_epoch_and_seed_and_cover_the_items():
 
 def test_step_seed_differs_by_step_and_rank():
     assert len({step_seed(0, s, r) for s in range(50) for r in range(4)}) == 200
+
+
+def test_training_negatives_can_be_a_users_held_out_items(movielens_cache):
+    """As the original SASRec code: training negatives avoid only the user's TRAINING items, so the validation and
+    test items (which training must not know about) are drawn like any other item."""
+    from toolkit.data.movielens import leave_one_out, prepare_movielens
+
+    sequences, meta = prepare_movielens("ml-100k", None, movielens_cache)
+    split = leave_one_out(sequences, meta, maxlen=50)
+    users = split.eval_users
+    held_out = torch.stack([split.valid_target[users], split.test_target[users]], dim=1)  # [U, 2]
+    assert not split.train_touched[users[:, None], held_out].all()  # held-out items are not training items ...
+    assert split.touched[users[:, None], held_out].all()  # ... though the user touched them
+    negatives = torch.cat([sample_negatives(split.train_touched, users, torch.arange(50), seed=0, purpose=1, epoch=e)
+                           for e in range(40)], dim=1)  # [U, 2000] draws
+    assert not split.train_touched[users[:, None], negatives].any()
+    drawn = (negatives[:, :, None] == held_out[:, None, :]).any(dim=1)  # [U, 2]: was each held-out item drawn?
+    assert drawn.any(), "no held-out item was ever drawn as a training negative"
+    assert drawn.float().mean() > 0.5  # 2000 draws from ~1650 items: most held-out items come up
+
+
+def test_keyed_dropout_masks_a_sample_the_same_on_any_rank():
+    from toolkit import randomness
+
+    x = torch.ones(8, 5, 3)
+    randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
+    whole = randomness.keyed_dropout(x, 0.5)
+    halves = []
+    for rank in range(2):
+        randomness.begin_micro_batch(seed=1, key=7, rank=rank, world_size=2)
+        halves.append(randomness.keyed_dropout(x[:4], 0.5))
+    randomness.end_micro_batches()
+    assert torch.equal(torch.cat(halves), whole)
+    assert 0.3 < (whole == 0).float().mean() < 0.7 and set(whole.unique().tolist()) == {0.0, 2.0}
+    randomness.begin_micro_batch(seed=1, key=8, rank=0, world_size=1)
+    assert not torch.equal(randomness.keyed_dropout(x, 0.5), whole)  # another micro-batch, another mask
+    randomness.end_micro_batches()
+
+
+def test_keyed_uniform_is_a_function_of_its_keys():
+    from toolkit.randomness import keyed_uniform
+
+    ids = torch.arange(10_000)
+    coins = keyed_uniform(3, 7, 11, ids)
+    assert torch.equal(coins[5000:], keyed_uniform(3, 7, 11, ids[5000:]))
+    assert 0 <= coins.min() and coins.max() < 1 and abs(coins.mean().item() - 0.5) < 0.02
+    assert not torch.equal(coins, keyed_uniform(3, 7, 12, ids))

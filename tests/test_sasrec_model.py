@@ -162,3 +162,16 @@ def test_bad_inputs_raise_value_error_naming_them():
         SASRec(NUM_ITEMS, time_aware=True, **SMALL)(ids, times[:, 1:])
     with pytest.raises(ValueError, match="maxlen"):
         SASRec(NUM_ITEMS, **SMALL)(torch.ones(2, MAXLEN + 1, dtype=torch.long))
+
+
+def test_deterministic_interval_values_by_gather_match_scatter_add():
+    """--deterministic on CUDA takes the gather path for TiSASRec's interval values (scatter_add_ is atomic there);
+    it computes what the scatter_add_ path computes."""
+    from toolkit.models.sasrec import interval_value_sum_by_gather
+
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(3, 2, 6, 6, generator=generator)
+    index = torch.randint(0, 9, (3, 2, 6, 6), generator=generator)
+    values = torch.randn(2, 9, 4, generator=generator)
+    bins = weights.new_zeros(3, 2, 6, 9).scatter_add_(-1, index, weights)
+    assert torch.allclose(interval_value_sum_by_gather(weights, index, values), bins @ values, atol=1e-6)

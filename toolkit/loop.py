@@ -258,7 +258,7 @@ class TrainingLoop:
             self.stopped = True
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
-        if cfg.eval_every_steps and progress.global_step % cfg.eval_every_steps == 0:
+        if cfg.eval_every_steps and self._evaluation_due():
             self._evaluate_and_record()
             if self._agree(stop=self._stop_request is not None)[2]:  # e.g. early stopping decided in evaluate()
                 self._take_stop_request()
@@ -302,22 +302,30 @@ class TrainingLoop:
         progress.batches_done = 0
         step = progress.global_step
         last = self.stopped or progress.epoch >= cfg.epochs
-        if cfg.eval_every_steps:
-            due = step % cfg.eval_every_steps == 0
-        else:
-            due = progress.epoch % cfg.eval_every == 0
-        metrics = self._evaluate_and_record() if due or last else None
+        due = self._evaluation_due()
+        metrics = self._evaluate_and_record(scheduled=due) if due or last else None
         new_best = metrics is not None and progress.best_step == step
         self._save_due = last or new_best or cfg.checkpoint_every == 0 or step % cfg.checkpoint_every == 0
         return metrics
 
     def _final_evaluation_and_save(self) -> None:
         if self.progress.last_eval_step != self.progress.global_step:
-            self._evaluate_and_record()
+            self._evaluate_and_record(scheduled=self._evaluation_due())
         self.save()
 
-    def _evaluate_and_record(self) -> dict:
-        """Evaluate, refuse non-finite metrics, update the best, write the metrics.csv row, log."""
+    def _evaluation_due(self) -> bool:
+        """Does the cadence ask for an evaluation at this point (--eval-every-steps, or an --eval-every epoch end)?"""
+        cfg, progress = self.config, self.progress
+        if cfg.eval_every_steps:
+            return progress.global_step % cfg.eval_every_steps == 0
+        return progress.batches_done == 0 and progress.epoch % cfg.eval_every == 0
+
+    def _evaluate_and_record(self, scheduled: bool = True) -> dict:
+        """Evaluate, refuse non-finite metrics, update the best, write the metrics.csv row, log.
+
+        The row's train_loss is the mean since the previous scheduled evaluation; an unscheduled one (the end of a
+        run stopped by --max-steps or a request) does not restart that mean, so a run resumed past it writes the
+        rows an uninterrupted run writes."""
         progress, timer = self.progress, self._timer
         self.model.eval()
         with torch.no_grad():
@@ -351,7 +359,8 @@ class TrainingLoop:
             MetricsFile(self.run.output_dir).append(row)
             tqdm.write(" ".join(f"{k}={_short(v)}" for k, v in row.items() if k in metrics or k in LEADING_COLUMNS))
         self.accelerator.log(dict(metrics) | {"train/mean_loss": train_loss or 0.0}, step=progress.global_step)
-        progress.interval_loss_sum, progress.interval_loss_count = 0.0, 0
+        if scheduled:
+            progress.interval_loss_sum, progress.interval_loss_count = 0.0, 0
         self._timer = _IntervalTimer()
         return metrics
 

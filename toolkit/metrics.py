@@ -13,8 +13,11 @@ def rank_of_target(target_scores: torch.Tensor, other_scores: torch.Tensor, othe
     """0-based rank of each target among the other candidates: how many valid others score >= the target.
 
     target_scores [N]; other_scores [N, C]; other_valid bool [N, C] (False = excluded, e.g. the user's history).
+    A non-finite score never helps the target (a diverged model scores NaN, and NaN >= x is False): a non-finite
+    target gets the worst rank, a non-finite other beats the target.
     """
-    beats = other_scores >= target_scores.unsqueeze(1)
+    beats = (other_scores >= target_scores.unsqueeze(1)) | ~torch.isfinite(other_scores)
+    beats |= ~torch.isfinite(target_scores).unsqueeze(1)
     if other_valid is not None:
         beats &= other_valid
     return beats.sum(dim=1)

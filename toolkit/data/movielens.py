@@ -333,7 +333,8 @@ def prepare_movielens(
         with _writable(cache_dir):
             _save_atomically(ds, meta, final)
     meta = json.loads((final / "meta.json").read_text())
-    meta.update(source=source, dataset=dataset)  # the same file may have been built from another path
+    # source: the same file may have been built from another path; fingerprint: the cache key (the raw file's hash)
+    meta.update(source=source, dataset=dataset, fingerprint=final.name)
     return datasets.load_from_disk(str(final / "dataset")), meta
 
 
@@ -348,7 +349,8 @@ class LeaveOneOut:
 
     Users with fewer than 3 interactions train on all of them and have valid/test targets 0; eval_users
     lists the others. touched[u, i]: user u interacted with item i anywhere (train, valid or test); column 0
-    is False.
+    is False. train_touched[u, i]: item i is in u's training part (what training negatives avoid, as in the
+    original SASRec code: the held-out valid/test items may be drawn as training negatives).
     """
 
     num_users: int
@@ -364,6 +366,7 @@ class LeaveOneOut:
     test_time: torch.Tensor
     test_target: torch.Tensor
     touched: torch.Tensor
+    train_touched: torch.Tensor
     eval_users: torch.Tensor
 
 
@@ -441,6 +444,9 @@ def leave_one_out(ds: datasets.Dataset, meta: dict, maxlen: int) -> LeaveOneOut:
     test_target[evaluated] = items[(start + n - 1)[evaluated]]
     touched = torch.zeros(num_users, num_items + 1, dtype=torch.bool)
     touched[torch.from_numpy(owner), torch.from_numpy(items)] = True
+    in_training = np.arange(len(items)) < np.repeat(train_end, n)  # each user's first train_len items
+    train_touched = torch.zeros(num_users, num_items + 1, dtype=torch.bool)
+    train_touched[torch.from_numpy(owner[in_training]), torch.from_numpy(items[in_training])] = True
     return LeaveOneOut(
         num_users=num_users,
         num_items=num_items,
@@ -455,6 +461,7 @@ def leave_one_out(ds: datasets.Dataset, meta: dict, maxlen: int) -> LeaveOneOut:
         test_time=_right_aligned(scaled, start, history_end, maxlen),
         test_target=torch.from_numpy(test_target),
         touched=touched,
+        train_touched=train_touched,
         eval_users=torch.from_numpy(np.flatnonzero(evaluated).astype(np.int64)),
     )
 

@@ -78,9 +78,20 @@ class SelfAttention(nn.Module):
         logits = logits / math.sqrt(q.shape[-1])
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
         weights = keyed_dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p, self.training)
+        interval_values = self._split(self.interval_value.weight)  # [h, span + 1, d_h]
+        if weights.is_cuda and torch.are_deterministic_algorithms_enabled():
+            return weights @ v + interval_value_sum_by_gather(weights, index, interval_values)
         bins = weights.new_zeros(*weights.shape[:-1], self.interval_value.num_embeddings)
-        bins.scatter_add_(-1, index, weights)
-        return weights @ v + bins @ self._split(self.interval_value.weight)
+        bins.scatter_add_(-1, index, weights)  # deterministic on CPU; on CUDA it sums with atomics
+        return weights @ v + bins @ interval_values
+
+
+def interval_value_sum_by_gather(weights: torch.Tensor, index: torch.Tensor, interval_values: torch.Tensor):
+    """sum_j a_ij R^V[r_ij] without scatter_add_ (whose CUDA kernel adds with atomics, so the order of the sums, and
+    the last bits, vary run to run): gathers the [B, h, L, L, d_h] per-pair values. Used under --deterministic on
+    CUDA; more memory, the same result up to float rounding."""
+    heads = torch.arange(index.shape[1], device=index.device).view(1, -1, 1, 1)
+    return (weights.unsqueeze(-1) * interval_values[heads, index]).sum(dim=-2)
 
 
 class FeedForward(nn.Module):
