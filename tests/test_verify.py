@@ -83,7 +83,7 @@ def test_final_checkpoint_without_complete_marker(damaged):
 def test_world_size_disagreement(damaged):
     edit_json(damaged / "summary.json", world_size=2)
     problems = verify_run(damaged)
-    assert has(problems, "world_size disagrees", "config.json, metrics.csv line 2 say(s) 1", "summary.json say(s) 2")
+    assert has(problems, "world_size:", "summary.json says world size 2, the last life had 1")
 
 
 def test_expect_world_size_2_on_a_one_process_run(finished_run):
@@ -124,3 +124,13 @@ def test_two_process_run_passes_with_its_world_size_and_backend(tmp_path, moviel
     run_recipe([*TINY, "--max-steps", "2", "--output-dir", str(out)], config="cpu_2proc.yaml")
     assert verify_run(out, expect_world_size=2, expect_backend="gloo") == []
     assert has(verify_run(out, expect_world_size=1), "expected world size 1, the run had 2")
+
+
+def test_a_process_count_change_outside_a_recorded_resume_fails(damaged):
+    rows = (damaged / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    cells = rows[-1].split(",")
+    cells[header.index("world_size")] = "2"
+    (damaged / "metrics.csv").write_text("\n".join([*rows[:-1], ",".join(cells)]) + "\n")
+    problems = verify_run(damaged)
+    assert has(problems, "world_size:", "says world size 2, but the run had 1 process(es) then")

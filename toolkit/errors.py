@@ -20,7 +20,9 @@ def exit_on_usage_error(main):
         try:
             return main(*args, **kwargs)
         except UsageError as error:
-            _say(f"{prefix}error: {error}")
+            # Every rank checks the same input: rank 0 speaks for all (one line), the others exit quietly.
+            if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+                _say(f"{prefix}error: {error}")
             raise SystemExit(2) from None
         except Exception as error:
             from toolkit.distributed import lost_peers_message
@@ -39,7 +41,15 @@ def exit_on_usage_error(main):
 
 
 def _say(line: str) -> None:
-    # One write call, so lines of several ranks sharing a pipe do not interleave mid-line.
+    # One write call, so lines of several ranks sharing a pipe do not interleave mid-line; a live tqdm bar (on
+    # stderr, no newline at its end) is closed first so the line starts on a line of its own.
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except ImportError:
+        pass
     sys.stderr.flush()
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())

@@ -4,12 +4,17 @@ Takes exactly the arguments of `accelerate launch`. What it adds:
 - a rendezvous timeout (`--rdzv_conf timeout=`, default 120 s, or $TOOLKIT_RDZV_TIMEOUT) so a machine that cannot
   reach the head node stops instead of waiting torchrun's 600 s;
 - one `error:` line, no traceback, for an unreachable head node, a port already in use, and for each worker that
-  failed (rank, host, exit status or signal). The workers' own errors are printed by the workers.
+  failed (rank, local rank, pid, host, exit status or signal). The workers' own errors are printed by the workers;
+  when they failed on a usage error (exit status 2; the others stopped by the agent) rank 0 has already said what
+  was wrong in one line, and the launcher adds nothing and exits 2.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import sys
 
 
 def main(argv: list[str]) -> int:
@@ -38,9 +43,15 @@ def main(argv: list[str]) -> int:
             "--main_process_port and --num_machines the same on every machine?"
         ) from None
     except ChildFailedError as error:
-        for rank, failure in sorted(error.failures.items()):
+        failures = sorted(error.failures.items())
+        usage = [f for _, f in failures if f.exitcode == 2]
+        terminated = [f for _, f in failures if f.exitcode == -signal.SIGTERM]  # stopped by the agent after it
+        if usage and len(usage) + len(terminated) == len(failures):
+            return 2  # a usage error: the recipe's rank 0 said what was wrong, in one line
+        host = socket.gethostname()  # torch's ProcessFailure has no host: the failed workers ran on this machine
+        for rank, failure in failures:
             how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
-            print(f"error: rank {rank} (local rank {failure.local_rank}) on {failure.hostname} ended with {how}",
-                  flush=True)
+            print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} ended with "
+                  f"{how}", file=sys.stderr, flush=True)
         return 1
     return 0

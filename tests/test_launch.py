@@ -1,0 +1,61 @@
+"""`python -m toolkit launch` when workers fail: exit 2 quietly for usage errors (the recipe said it in one line),
+one line per failed worker otherwise; never a traceback of its own."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import CONFIGS, ROOT, recipe_env
+
+pytestmark = pytest.mark.slow
+
+WORKER = """
+import os, signal, sys
+rank = int(os.environ["RANK"])
+how = sys.argv[1]
+if how == "exit2":
+    if rank == 0:
+        print("error: --something is wrong", file=sys.stderr, flush=True)
+    sys.exit(2)
+if rank == 1:
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "abort":
+        os.abort()
+"""
+
+
+def _launch(script, *args):
+    return subprocess.run([sys.executable, "-m", "toolkit", "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
+                           "--main_process_port", "0", str(script), *args], cwd=ROOT, env=recipe_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("how, expected", [("kill", "signal SIGKILL"), ("abort", "signal SIGABRT")])
+def test_a_failed_worker_is_one_line_naming_rank_host_and_signal(how, expected, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = _launch(script, how)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 (local rank 1, pid ") and expected in errors[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_usage_errors_exit_2_with_the_recipes_line_only(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = _launch(script, "exit2")
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and errors == ["error: --something is wrong"], result.stderr
+
+
+def test_a_recipe_flag_error_under_two_processes_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    result = _launch(ROOT / "recipes" / "sasrec.py", "--batch-size", "63", "--log-with", "none", "--output-dir",
+                     str(out))
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert result.returncode == 2, result.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: --batch-size 63 is not divisible by the 2 processes")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not out.exists()
