@@ -68,6 +68,7 @@ def test_every_format_parses_into_the_same_chronological_sequences(write, name, 
     raw = write(tmp_path / name)
     ds, meta = prepare_movielens("ml-100k", raw, tmp_path / "cache")
     assert columns(ds) == {"user": [0, 1, 2], "items": EXPECTED_ITEMS, "timestamps": EXPECTED_TIMES}
+    assert meta.pop("fingerprint").startswith("ml-100k-")  # the cache key: a hash of the raw file
     assert meta == {
         "num_users": 3,
         "num_items": 8,
