@@ -38,7 +38,7 @@ import torch
 
 from toolkit.errors import UsageError
 
-FORMAT_VERSION = 1  # bump when the processed layout or the parsing changes: old caches are then rebuilt
+FORMAT_VERSION = 2  # bump when the processed layout or the parsing changes: old caches are then rebuilt
 DATASETS = ("ml-100k", "ml-1m")
 GROUPLENS_100K = "https://files.grouplens.org/datasets/movielens/ml-100k.zip"
 GROUPLENS_1M = "https://files.grouplens.org/datasets/movielens/ml-1m.zip"
@@ -216,6 +216,27 @@ def _read_ratings(path: Path) -> pd.DataFrame:
         )
     if timestamps.dtype.kind != "i":
         timestamps = timestamps.round()
+    for column in ["user", "item"]:
+        numbers = pd.to_numeric(frame[column], errors="coerce")
+        if kind != "inter":  # u.data and ratings.dat ids are integers; .inter tokens may be any text
+            bad = np.flatnonzero((numbers.isna() | (numbers != numbers.round())).to_numpy())
+            if len(bad):
+                raise UsageError(
+                    f"--data-path {path} line {bad[0] + 1}: {column} id {frame[column].iloc[bad[0]]!r} is not an "
+                    f"integer; {kind} files hold integer user and item ids"
+                )
+        negative = np.flatnonzero((numbers < 0).fillna(False).to_numpy())
+        if len(negative):
+            raise UsageError(
+                f"--data-path {path} line {negative[0] + 1 + header_lines}: {column} id "
+                f"{frame[column].iloc[negative[0]]} is negative; ids are non-negative integers"
+            )
+    per_user = frame.groupby(frame["user"].astype(str)).size()
+    if not (per_user >= 3).any():
+        raise UsageError(
+            f"--data-path {path} holds {len(frame)} ratings of {len(per_user)} users, and no user has the 3 ratings "
+            "that training, validation and test need; give a larger ratings file"
+        )
     return pd.DataFrame(
         {
             "user": _as_ids(frame["user"]),
