@@ -29,3 +29,13 @@ def test_handler_only_sets_a_flag(monkeypatch):
         assert preemption._requested is True
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_sigusr1_before_the_run_starts_is_kept_not_fatal():
+    import subprocess
+    import sys
+
+    code = ("import os, signal, toolkit; os.kill(os.getpid(), signal.SIGUSR1); "
+            "from toolkit import preemption; preemption.install_handler(); print(preemption._requested)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr

@@ -25,6 +25,10 @@ def _set_flag(signum, frame) -> None:
 
 
 def install_handler(signals: tuple[int, ...] = (signal.SIGUSR1,)) -> None:
+    global _requested
+    import toolkit
+
+    _requested = _requested or toolkit._early_signal  # a signal caught by the import-time handler counts
     for sig in signals:
         signal.signal(sig, _set_flag)
 
