@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from toolkit.data import cache as data_cache
 from toolkit.data import movielens
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens
 from toolkit.errors import UsageError
@@ -149,11 +150,12 @@ def test_leave_one_out_on_a_hand_made_example(order):
         "valid_target",
         "test_target",
         "touched",
+        "train_touched",
         "eval_users",
     ]:
         tensor = getattr(split, name)
         assert tensor.device.type == "cpu"
-        assert tensor.dtype == (torch.bool if name == "touched" else torch.long), name
+        assert tensor.dtype == (torch.bool if name.endswith("touched") else torch.long), name
 
 
 def test_leave_one_out_pads_on_the_left_when_maxlen_exceeds_the_history():
@@ -163,6 +165,23 @@ def test_leave_one_out_pads_on_the_left_when_maxlen_exceeds_the_history():
     assert split.train_time[0].tolist() == [0, 0, 0, 0, 1, 1, 2, 3]
     assert split.test_input[0].tolist() == [0, 0, 5, 3, 1, 4, 2, 6]
     assert split.test_time[0].tolist() == [0, 0, 1, 1, 2, 3, 6, 6]
+
+
+def test_training_negatives_may_be_held_out_items():
+    # SASRec's code draws training negatives from outside the user's TRAINING items: train_touched marks those;
+    # touched (for evaluation) marks everything. User 0: training part [5, 3, 1, 4, 2], valid 6, test 7.
+    # User 1 (2 items) trains on both. User 2: training part [1, 2, 1], valid 3, test 1 (also a training item).
+    rows = {"user": [0, 1, 2], "items": [EXPECTED_ITEMS[0], [8, 2], [1, 2, 1, 3, 1]],
+            "timestamps": [EXPECTED_TIMES[0], [500, 500], [1, 2, 3, 4, 5]]}
+    split = leave_one_out(datasets.Dataset.from_dict(rows), {"num_users": 3, "num_items": 8}, maxlen=4)
+    marked = lambda table, user: torch.nonzero(table[user]).flatten().tolist()  # noqa: E731
+    assert marked(split.train_touched, 0) == [1, 2, 3, 4, 5]
+    assert marked(split.touched, 0) == [1, 2, 3, 4, 5, 6, 7]
+    assert marked(split.train_touched, 1) == marked(split.touched, 1) == [2, 8]
+    assert marked(split.train_touched, 2) == [1, 2] and marked(split.touched, 2) == [1, 2, 3]
+    assert not split.train_touched[:, 0].any()
+    assert split.train_touched.shape == split.touched.shape == (3, 9)
+    assert not (split.train_touched & ~split.touched).any()
 
 
 def test_user_sequences_rows_and_batches():
@@ -207,7 +226,7 @@ def test_an_interrupted_build_is_never_loaded(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(movielens.os, "rename", interrupted)
+        patch.setattr(data_cache.os, "rename", interrupted)
         with pytest.raises(KeyboardInterrupt):
             prepare_movielens("ml-100k", raw, cache)
     assert list((cache / "processed").iterdir()) == []
@@ -258,6 +277,68 @@ def test_user_errors_are_one_line_and_name_the_flag(tmp_path, monkeypatch):
     message = usage_error("ml-100k", None, cache)
     assert movielens.GROUPLENS_100K in message and "recbole" in message
     assert not (cache / "raw" / "ml-100k.inter").exists()
+
+
+BAD_FILES = {  # name: (content, what the one-line message must say besides the path)
+    "two-rows": ("u.data", b"1\t2\t3\t100\n1\t3\t3\t200\n",
+                 ["holds 2 ratings of 1 user", "a user with 3 or more ratings"]),
+    "three-rows": ("u.data", b"1\t2\t3\t100\n1\t3\t3\t200\n1\t4\t3\t300\n",
+                   ["holds 3 ratings of 1 user", "4 or more", "nothing is left to train on"]),
+    "non-numeric-user-u.data": ("u.data", b"1\t2\t3\t100\n1\t3\t3\t200\nbob\t4\t3\t300\n1\t5\t3\t400\n",
+                                ["line 3:", "user id 'bob' is not an integer", "u.data files hold integer"]),
+    "non-numeric-item-ratings.dat": ("ratings.dat", b"1::2::3::100\n1::3::3::200\n1::4::3::300\n1::x5::3::400\n",
+                                     ["line 4:", "item id 'x5' is not an integer", "ratings.dat files hold integer"]),
+    "fractional-user": ("u.data", b"1\t2\t3\t100\n1.5\t3\t3\t200\n", ["line 2:", "user id 1.5 is not an integer"]),
+    "negative-item": ("u.data", b"1\t2\t3\t100\n1\t3\t3\t200\n1\t-4\t3\t300\n",
+                      ["line 3:", "item id -4 is negative", "non-negative integers"]),
+    "negative-user": ("ratings.dat", b"1::2::3::100\n-1::3::3::200\n", ["line 2:", "user id -1 is negative"]),
+    "line-numbers-count-blank-lines": ("u.data", b"1\t2\t3\t100\r\n\r\n\n1\t3\t3\t200\r\nx\t4\t3\t300\r\n",
+                                       ["line 5:", "user id 'x'"]),
+    "empty": ("u.data", b"", ["is empty"]),
+    "only-blank-lines": ("u.data", b"\n\r\n\n", ["is empty"]),
+    "binary-garbage": ("u.data", bytes(range(256)) * 16, ["is a binary file"]),
+    "binary-after-good-lines": ("u.data", b"1\t2\t3\t100\n" * 7000 + b"1\t\xff\xfe\t3\t5\n",
+                                ["line 7001:", "binary data (byte 0xff)"]),
+    "text-not-ratings": ("notes.txt", b"Dear diary,\ntoday I rated movies.\n",
+                         ["is not a MovieLens ratings file (first line 'Dear diary,')"]),
+    "csv-ratings": ("ratings.csv", b"userId,movieId,rating,timestamp\n1,2,3.5,100\n",
+                    ["is not a MovieLens ratings file"]),
+    "too-few-fields": ("u.data", b"1\t2\t3\t100\n1\t3\n", ["line 2 has 2 fields", "u.data lines have 4"]),
+    "too-many-fields": ("ratings.dat", b"1::2::3::100\n1::3::3::200::9\n",
+                        ["line 2 has 5 fields", "ratings.dat lines have 4 (user::item::rating::timestamp)"]),
+    "inter-short-row": ("x.inter", movielens.INTER_HEADER.encode() + b"u\ti\t3\t1\nu\tj\n",
+                        ["line 3 has 2 fields", "as many as its header line"]),
+    "missing-timestamp": ("u.data", b"1\t2\t3\t100\n1\t3\t3\t\n", ["line 2:", "no timestamp value"]),
+    "bad-timestamp": ("u.data", b"1\t2\t3\t100\n1\t3\t3\tsoon\n", ["line 2:", "timestamp 'soon' is not a number"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_ratings_files_are_one_line_naming_the_path(case, tmp_path):
+    name, content, expected = BAD_FILES[case]
+    path = tmp_path / name
+    path.write_bytes(content)
+    message = usage_error("ml-100k", path, tmp_path / "cache")
+    assert message.startswith(f"--data-path {path} "), message
+    for phrase in expected:
+        assert phrase in message, (phrase, message)
+    assert not (tmp_path / "cache" / "processed").exists() or not any((tmp_path / "cache" / "processed").iterdir())
+
+
+def test_valid_files_with_blank_lines_and_crlf_parse(tmp_path):
+    raw = tmp_path / "u.data"
+    raw.write_bytes(b"\r\n" + "".join(f"{u}\t{i}\t{r}\t{t}\r\n\n" for u, i, r, t in RAW).encode())
+    ds, meta = prepare_movielens("ml-100k", raw, tmp_path / "cache")
+    assert columns(ds) == {"user": [0, 1, 2], "items": EXPECTED_ITEMS, "timestamps": EXPECTED_TIMES}
+
+
+def test_an_unusable_cache_dir_names_the_flag(tmp_path):
+    raw = write_udata(tmp_path / "u.data")
+    cache_dir = Path("/proc") / "toolkit-movielens-cache-test"  # root may write anywhere else
+    with pytest.raises(UsageError) as caught:
+        prepare_movielens("ml-100k", raw, cache_dir)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"--cache-dir {cache_dir} is not a writable directory")
 
 
 # ---- the real MovieLens-100K -----------------------------------------------------------------------------

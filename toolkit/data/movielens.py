@@ -7,23 +7,21 @@
 Raw ratings come from --data-path (MovieLens u.data, ratings.dat or a RecBole .inter file, or a directory
 holding one); without it ML-100K is fetched once into <cache_dir>/raw (GroupLens, else the ml-100k.inter
 shipped in the recbole wheel on PyPI). The per-user sequences are built once and kept as a `datasets` dataset
-under <cache_dir>/processed/<dataset>-<key>, key = hash of the raw file and FORMAT_VERSION; a build is written
-to a temporary sibling directory and renamed when complete, so an interrupted build is never loaded.
+under <cache_dir>/processed/<dataset>-<key>, key = hash of the raw file and FORMAT_VERSION (toolkit.data.cache: a
+build is written to a temporary sibling directory and renamed when complete, so an interrupted build is never
+loaded). Malformed input (empty, binary, not ratings, wrong field counts, non-integer or negative ids, too few
+ratings) is a one-line UsageError naming the path and, where it applies, the line.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import codecs
+import csv
 import io
-import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import urllib.request
-import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from toolkit.data.cache import cached_dataset, file_fingerprint, writable, write_bytes_atomically
+from toolkit.data.rows import TensorRows
 from toolkit.errors import UsageError
 
 FORMAT_VERSION = 2  # bump when the processed layout or the parsing changes: old caches are then rebuilt
@@ -54,12 +54,29 @@ VALID_INPUT = "give MovieLens u.data, ratings.dat or a RecBole .inter file (or o
 
 
 def _first_line(path: Path) -> str:
+    """The first line that is not empty (a ratings file may start with blank lines), without its line end."""
     with open(path, "rb") as handle:
-        return handle.readline(4096).decode("utf-8", errors="replace").rstrip("\r\n")
+        head = handle.read(1 << 16)
+    for raw in head.split(b"\n"):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+        if line:
+            return line[:4096]
+    return ""
+
+
+def _is_binary(path: Path) -> bool:
+    """NUL bytes or invalid UTF-8 in the first 64 KiB: not a text file."""
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in head
 
 
 def _sniff_format(path: Path) -> Literal["udata", "dat", "inter"] | None:
-    """The format of a ratings file from its first line, whatever its name."""
+    """The format of a ratings file from its first non-empty line, whatever its name."""
     line = _first_line(path)
     if "::" in line:
         fields = line.split("::")
@@ -106,19 +123,20 @@ def _resolve_data_path(data_path: Path) -> Path:
         path = found[0]
     if not path.is_file():
         raise UsageError(f"--data-path {data_path} is not a regular file; {VALID_INPUT}")
-    if _sniff_format(path) is None:
+    try:
+        if path.stat().st_size == 0 or not _first_line(path):
+            raise UsageError(f"--data-path {path} is empty (no ratings); {VALID_INPUT}")
+        if _is_binary(path):
+            raise UsageError(f"--data-path {path} is a binary file, not a text file of ratings; {VALID_INPUT}")
+        kind = _sniff_format(path)
+    except PermissionError as error:
+        raise UsageError(f"--data-path {path} cannot be read ({error.strerror}); {VALID_INPUT}") from None
+    if kind is None:
         first = _first_line(path)[:60]
         raise UsageError(
             f"--data-path {path} is not a MovieLens ratings file (first line {first!r}); {VALID_INPUT}"
         )
     return path
-
-
-def _write_atomically(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, target)
 
 
 def _fetch_grouplens_100k() -> bytes:
@@ -165,8 +183,8 @@ def _ml100k_raw(cache_dir: Path) -> tuple[Path, str]:
         except Exception as error:  # noqa: BLE001 - any failure means: try the next source
             failures.append(f"{origin}: {' '.join(str(error).split())[:200] or type(error).__name__}")
             continue
-        _write_atomically(target, data)
-        _write_atomically(origin_file, origin.encode())
+        write_bytes_atomically(target, data)
+        write_bytes_atomically(origin_file, origin.encode())
         return target, f"{target} ({origin})"
     raise UsageError(
         f"--dataset ml-100k could not be fetched (tried {'; '.join(failures)}); download {GROUPLENS_100K}, "
@@ -174,83 +192,159 @@ def _ml100k_raw(cache_dir: Path) -> tuple[Path, str]:
     )
 
 
+FORMAT_NAMES = {"udata": "u.data", "dat": "ratings.dat", "inter": "RecBole .inter"}
+FIELD_LAYOUT = {"udata": "user<TAB>item<TAB>rating<TAB>timestamp", "dat": "user::item::rating::timestamp"}
+
+
+def _line_table(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per line of data (split at newlines): start offset, end offset (before a CR LF or LF), number of
+    tab-separated fields. Vectorised: ML-1M's million lines take milliseconds."""
+    codes = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(codes == 10)
+    starts = np.concatenate([[0], newlines + 1])
+    ends = np.concatenate([newlines, [len(codes)]])
+    if starts[-1] == len(codes):  # the file ends with a line end: no line after it
+        starts, ends = starts[:-1], ends[:-1]
+    carriage = np.zeros(len(ends), dtype=bool)
+    nonempty = ends > starts
+    carriage[nonempty] = codes[ends[nonempty] - 1] == 13
+    ends = ends - carriage
+    tabs = np.flatnonzero(codes == 9)
+    fields = np.searchsorted(tabs, ends) - np.searchsorted(tabs, starts) + 1
+    return starts, ends, fields
+
+
 def _read_ratings(path: Path) -> pd.DataFrame:
-    """user, item, timestamp columns in file order, whatever the format; UsageError if unreadable."""
+    """user, item, timestamp columns in file order, whatever the format; a UsageError naming the line for
+    anything that is not a well-formed rating (blank lines are skipped)."""
     kind = _sniff_format(path)
+    if kind is None:
+        raise UsageError(f"--data-path {path} is not a MovieLens ratings file; {VALID_INPUT}")
+    name = FORMAT_NAMES[kind]
+    data = path.read_bytes()
+    bad_byte = data.find(b"\0")
     try:
-        if kind == "dat":  # "::" is two characters, which only pandas' slow python engine splits on
-            text = path.read_bytes().replace(b"::", b"\t")
-            frame = pd.read_csv(io.BytesIO(text), sep="\t", header=None, usecols=[0, 1, 3])
-            frame.columns = ["user", "item", "timestamp"]
-        elif kind == "udata":
-            frame = pd.read_csv(path, sep="\t", header=None, usecols=[0, 1, 3])
-            frame.columns = ["user", "item", "timestamp"]
-        elif kind == "inter":
-            frame = pd.read_csv(path, sep="\t", header=0, dtype=str, keep_default_na=False)
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad_byte = error.start if bad_byte < 0 else min(bad_byte, error.start)
+    if bad_byte >= 0:
+        line = data.count(b"\n", 0, bad_byte) + 1
+        raise UsageError(
+            f"--data-path {path} line {line}: binary data (byte 0x{data[bad_byte]:02x}), not text; {name} files are "
+            "text, one rating per line"
+        )
+    if kind == "dat":  # "::" is two characters, which only pandas' slow python engine splits on
+        data = data.replace(b"::", b"\t")
+    data = data.replace(b"\r\n", b"\n")  # a stray "\r" elsewhere stays in its field (and is reported there)
+    starts, ends, fields = _line_table(data)
+    lines = np.flatnonzero(ends > starts)  # 0-based numbers of the non-blank lines
+    if kind == "inter":
+        header, lines = lines[0], lines[1:]
+        expected = int(fields[header])
+        layout = f"{expected}, as many as its header line"
+    else:
+        expected, layout = 4, f"4 ({FIELD_LAYOUT[kind]})"
+    if len(lines) == 0:
+        raise UsageError(f"--data-path {path} holds no ratings; {VALID_INPUT}")
+    malformed = lines[fields[lines] != expected]
+    if len(malformed):
+        line = int(malformed[0])
+        count = int(fields[line])
+        raise UsageError(
+            f"--data-path {path} line {line + 1} has {count} field{'s' if count != 1 else ''}; {name} lines have "
+            f"{layout}"
+        )
+    if len(lines) != len(starts) - (kind == "inter"):  # blank lines: leave them out, keep the line numbers
+        kept = lines if kind != "inter" else np.concatenate([[header], lines])
+        data = b"\n".join(data[starts[i]:ends[i]] for i in kept.tolist())
+    line_of_row = lines + 1  # 1-based line number of each parsed row
+    # No NA parsing ("NA" is not a missing value here), no quoting (a '"' is a character), "\n" ends lines only.
+    read = dict(sep="\t", keep_default_na=False, na_filter=False, quoting=csv.QUOTE_NONE, lineterminator="\n")
+    try:
+        if kind == "inter":  # tokens are text: "007" stays "007"
+            frame = pd.read_csv(io.BytesIO(data), header=0, dtype=str, **read)
             frame.columns = [str(c).split(":")[0].strip() for c in frame.columns]
             frame = frame[["user_id", "item_id", "timestamp"]]
-            frame.columns = ["user", "item", "timestamp"]
-        else:
-            raise ValueError("unrecognised format")
-    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as error:
+        else:  # integer columns parse fast in C; a column holding anything else comes back as text
+            frame = pd.read_csv(io.BytesIO(data), header=None, usecols=[0, 1, 3], **read)
+    except (ValueError, KeyError, pd.errors.ParserError) as error:
         reason = " ".join(str(error).split())[:120]
         raise UsageError(f"--data-path {path} could not be parsed ({reason}); {VALID_INPUT}") from None
-    if len(frame) == 0:
-        raise UsageError(f"--data-path {path} holds no ratings; {VALID_INPUT}")
-    header_lines = 1 if kind == "inter" else 0
+    frame.columns = ["user", "item", "timestamp"]
+    if len(frame) != len(line_of_row):  # cannot happen with the checks above; never name a wrong line
+        raise UsageError(f"--data-path {path} could not be parsed (unexpected line structure); {VALID_INPUT}")
+
+    def fail(row: int, what: str) -> None:
+        raise UsageError(f"--data-path {path} line {line_of_row[row]}: {what}")
+
+    def shown(column: str, row: int) -> str:
+        value = frame[column].iloc[row]
+        return repr(value) if isinstance(value, str) else repr(value.item() if hasattr(value, "item") else value)
+
     for column in ["user", "item", "timestamp"]:
-        blank = frame[column].isna() | (frame[column].astype(str).str.strip() == "")
-        missing = np.flatnonzero(blank.to_numpy())
-        if len(missing):
-            raise UsageError(
-                f"--data-path {path} line {missing[0] + 1 + header_lines}: no {column} value; every line "
-                "needs user, item, rating and timestamp"
-            )
-    timestamps = pd.to_numeric(frame["timestamp"], errors="coerce")
+        if frame[column].dtype.kind not in "iuf":
+            frame[column] = frame[column].astype(str).str.strip()
+            missing = np.flatnonzero((frame[column] == "").to_numpy())
+            if len(missing):
+                fail(missing[0], f"no {column} value; every line needs user, item, rating and timestamp")
+    timestamps = _to_numbers(frame["timestamp"])
     bad = np.flatnonzero(~np.isfinite(timestamps.to_numpy(dtype=np.float64)))
     if len(bad):
-        line = bad[0] + 1 + header_lines
-        raise UsageError(
-            f"--data-path {path} line {line}: timestamp {frame['timestamp'].iloc[bad[0]]!r} is not a number; "
-            "timestamps must be unix seconds"
-        )
+        fail(bad[0], f"timestamp {shown('timestamp', bad[0])} is not a number; timestamps are unix seconds")
     if timestamps.dtype.kind != "i":
         timestamps = timestamps.round()
     for column in ["user", "item"]:
-        numbers = pd.to_numeric(frame[column], errors="coerce")
+        numbers = _to_numbers(frame[column])
         if kind != "inter":  # u.data and ratings.dat ids are integers; .inter tokens may be any text
             bad = np.flatnonzero((numbers.isna() | (numbers != numbers.round())).to_numpy())
             if len(bad):
-                raise UsageError(
-                    f"--data-path {path} line {bad[0] + 1}: {column} id {frame[column].iloc[bad[0]]!r} is not an "
-                    f"integer; {kind} files hold integer user and item ids"
-                )
+                fail(bad[0], f"{column} id {shown(column, bad[0])} is not an integer; {name} files hold integer "
+                             "user and item ids")
         negative = np.flatnonzero((numbers < 0).fillna(False).to_numpy())
         if len(negative):
-            raise UsageError(
-                f"--data-path {path} line {negative[0] + 1 + header_lines}: {column} id "
-                f"{frame[column].iloc[negative[0]]} is negative; ids are non-negative integers"
-            )
-    per_user = frame.groupby(frame["user"].astype(str)).size()
+            fail(negative[0], f"{column} id {shown(column, negative[0])} is negative; ids are non-negative integers")
+    ratings = pd.DataFrame(
+        {"user": _as_ids(frame["user"]), "item": _as_ids(frame["item"]), "timestamp": timestamps.astype(np.int64)}
+    )
+    _check_enough(path, ratings)
+    return ratings
+
+
+def _to_numbers(column: pd.Series) -> pd.Series:
+    """int64 or float64 values of a column (NaN where a value is not a number); fast for clean text columns."""
+    if column.dtype.kind in "iuf":
+        return column
+    for dtype in (np.int64, np.float64):
+        try:
+            return column.astype(dtype)
+        except (ValueError, TypeError, OverflowError):
+            pass
+    return pd.to_numeric(column, errors="coerce")
+
+
+def _check_enough(path: Path, ratings: pd.DataFrame) -> None:
+    """Leave-one-out needs a user with 3+ ratings (validation and test take the last two) and something to
+    train on: a user with 4+ ratings, or one with exactly 2 (users with fewer than 3 train on all of theirs)."""
+    per_user = ratings.groupby("user").size()
+    users = f"{len(per_user)} user{'s' if len(per_user) != 1 else ''}"
+    held = f"--data-path {path} holds {len(ratings)} rating{'s' if len(ratings) != 1 else ''} of {users}"
     if not (per_user >= 3).any():
         raise UsageError(
-            f"--data-path {path} holds {len(frame)} ratings of {len(per_user)} users, and no user has the 3 ratings "
-            "that training, validation and test need; give a larger ratings file"
+            f"{held}, at most {per_user.max()} per user: validation and test need a user with 3 or more ratings "
+            "(they take the last two); give a larger ratings file"
         )
-    return pd.DataFrame(
-        {
-            "user": _as_ids(frame["user"]),
-            "item": _as_ids(frame["item"]),
-            "timestamp": timestamps.astype(np.int64),
-        }
-    )
+    if not ((per_user >= 4) | (per_user == 2)).any():
+        raise UsageError(
+            f"{held}, none with 4 or more: once validation and test take each user's last two ratings, nothing "
+            "is left to train on; give a larger ratings file"
+        )
 
 
 def _as_ids(column: pd.Series) -> pd.Series:
     """Numeric ids as integers (so "7" in a .inter file and 7 in u.data sort alike), anything else as text."""
     if column.dtype.kind in "iu":
         return column.astype(np.int64)
-    numbers = pd.to_numeric(column, errors="coerce")
+    numbers = _to_numbers(column)
     if numbers.notna().all() and (numbers == numbers.round()).all():
         return numbers.astype(np.int64)
     return column.astype(str)
@@ -283,42 +377,8 @@ def _build_sequences(ratings: pd.DataFrame) -> tuple[datasets.Dataset, dict]:
 
 
 def _cache_key(path: Path) -> str:
-    sha1 = hashlib.sha1()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha1.update(block)
-    ident = f"v{FORMAT_VERSION}:{path.stat().st_size}:{sha1.hexdigest()}"
-    return hashlib.sha1(ident.encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _writable(cache_dir: Path):
-    """A cache directory we may not write to is the user's to fix: one line naming --cache-dir."""
-    try:
-        yield
-    except PermissionError as error:
-        raise UsageError(
-            f"--cache-dir {cache_dir} is not writable ({error.strerror}: {error.filename}); "
-            "pass a writable directory"
-        ) from None
-
-
-def _save_atomically(ds: datasets.Dataset, meta: dict, final: Path) -> None:
-    """final/dataset (save_to_disk) + final/meta.json, built in a temporary sibling, renamed when complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    building = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        ds.save_to_disk(str(building / "dataset"))
-        (building / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists() and not (final / "meta.json").is_file():
-            shutil.rmtree(final)  # not ours: complete builds always hold meta.json (the rename is atomic)
-        try:
-            os.rename(building, final)
-        except OSError:
-            if not (final / "meta.json").is_file():  # else a concurrent builder finished first: use its build
-                raise
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
+    """The processed build's key: the raw file's content and FORMAT_VERSION."""
+    return file_fingerprint(path, FORMAT_VERSION)
 
 
 def prepare_movielens(
@@ -339,7 +399,7 @@ def prepare_movielens(
         raw = _resolve_data_path(data_path)
         source = str(raw)
     elif dataset == "ml-100k":
-        with _writable(cache_dir):
+        with writable(cache_dir):
             raw, source = _ml100k_raw(cache_dir)
     else:
         raise UsageError(
@@ -347,16 +407,15 @@ def prepare_movielens(
             f"{GROUPLENS_1M}, unzip it and pass --data-path .../ml-1m/ratings.dat"
         )
 
-    final = cache_dir / "processed" / f"{dataset}-{_cache_key(raw)}"
-    if not (final / "meta.json").is_file():
+    def build() -> tuple[datasets.Dataset, dict]:
         ds, meta = _build_sequences(_read_ratings(raw))
-        meta.update(source=source, dataset=dataset)
-        with _writable(cache_dir):
-            _save_atomically(ds, meta, final)
-    meta = json.loads((final / "meta.json").read_text())
+        return ds, {**meta, "source": source, "dataset": dataset}
+
+    key = _cache_key(raw)
+    ds, meta = cached_dataset(cache_dir, dataset, key, build)
     # source: the same file may have been built from another path; fingerprint: the cache key (the raw file's hash)
-    meta.update(source=source, dataset=dataset, fingerprint=final.name)
-    return datasets.load_from_disk(str(final / "dataset")), meta
+    meta.update(source=source, dataset=dataset, fingerprint=f"{dataset}-{key}")
+    return ds, meta
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -492,31 +551,15 @@ def leave_one_out(ds: datasets.Dataset, meta: dict, maxlen: int) -> LeaveOneOut:
 # ----------------------------------------------------------------------------------------------------
 
 
-class UserSequences(torch.utils.data.Dataset):
-    """Rows of a dict of equally long tensors; item i is {"user": tensor(i), **{k: v[i]}}.
+class UserSequences(TensorRows):
+    """TensorRows indexed by user: item i is {"user": users[i], **{k: v[users[i]]}} (users: every row when None).
 
-    With `users`, only those rows: item i is {"user": users[i], **{k: v[users[i]]}}. Every value is a tensor,
-    so the default collate stacks them into a batch.
+    Every value is a tensor, so the default collate stacks them into a batch.
     """
 
     def __init__(self, fields: dict[str, torch.Tensor], users: torch.Tensor | None = None):
-        sizes = {name: len(value) for name, value in fields.items()}
-        if not fields or len(set(sizes.values())) != 1:
-            raise ValueError(f"fields must be non-empty and equally long, got sizes {sizes}")
-        if "user" in fields:
-            raise ValueError("'user' is added by UserSequences; do not pass it as a field")
-        self.fields = fields
-        rows = next(iter(sizes.values()))
-        if users is None:
-            self.users = torch.arange(rows)
-        else:
-            self.users = torch.as_tensor(users, dtype=torch.long).flatten()
-        if len(self.users) and (self.users.min() < 0 or self.users.max() >= rows):
-            raise ValueError(f"users must be in 0..{rows - 1}")
+        super().__init__(fields, rows=users, index_name="user")
 
-    def __len__(self) -> int:
-        return len(self.users)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        user = self.users[index]
-        return {"user": user, **{name: value[user] for name, value in self.fields.items()}}
+    @property
+    def users(self) -> torch.Tensor:
+        return self.rows
