@@ -71,6 +71,7 @@ BAD_INPUTS = [
     ("eval-every-steps-negative", ["--eval-every-steps", "-1"], ["--eval-every-steps", "-1"]),
     ("log-every-zero", ["--log-every", "0"], ["--log-every", "0"]),
     ("num-workers-negative", ["--num-workers", "-1"], ["--num-workers", "-1"]),
+    ("threads-negative", ["--threads", "-2"], ["--threads", "-2"]),
     ("dist-timeout-zero", ["--dist-timeout", "0"], ["--dist-timeout", "0"]),
     ("max-grad-norm-negative", ["--max-grad-norm", "-1"], ["--max-grad-norm", "-1"]),
     ("max-requeues-negative", ["--max-requeues", "-1"], ["--max-requeues", "-1"]),

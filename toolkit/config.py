@@ -65,6 +65,9 @@ class TrainConfig:
     """Overrides the accelerate config. bf16 works on CPU and GPU; fp16 needs a GPU."""
     num_workers: int = 0
     """DataLoader worker processes per process."""
+    threads: int = 0
+    """Intra-op CPU threads of each process (torch.set_num_threads). 0 = the launcher's choice (OMP_NUM_THREADS,
+    or Accelerate's physical cores / local processes). One process with many threads is seed 000's CPU-node mode."""
     compile: bool = False
     """torch.compile the model (inductor)."""
     dist_timeout: float = 600.0
@@ -119,7 +122,7 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--max-steps {config.max_steps} is invalid; give a positive number of steps or omit it")
     if not 0 <= config.seed < 2**32:
         raise UsageError(f"--seed {config.seed} is invalid; give an integer in 0 .. {2**32 - 1}")
-    for name in ["checkpoint_every", "num_workers", "max_requeues", "eval_every_steps"]:
+    for name in ["checkpoint_every", "num_workers", "max_requeues", "eval_every_steps", "threads"]:
         if getattr(config, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(config, name)} is invalid; it must be >= 0")
     if not (config.lr > 0 and math.isfinite(config.lr)):

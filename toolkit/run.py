@@ -153,6 +153,8 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
             "--mixed-precision fp16 (or the accelerate config's fp16) needs a GPU: on CPU Accelerate would silently "
             "train in fp32; use --mixed-precision bf16 or no"
         )
+    if config.threads:  # after the Accelerator: it may have set its own thread count
+        torch.set_num_threads(config.threads)
     set_seed(config.seed, deterministic=config.deterministic)
     preemption.install_handler()
 
@@ -415,7 +417,7 @@ def _announce_rank(accelerator: Accelerator) -> None:
     print(
         f"[rank {accelerator.process_index}/{accelerator.num_processes}] host={socket.gethostname()} "
         f"node_rank={os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))} device={accelerator.device} "
-        f"backend={backend} mixed_precision={accelerator.mixed_precision}",
+        f"backend={backend} mixed_precision={accelerator.mixed_precision} threads={torch.get_num_threads()}",
         file=sys.stderr,
         flush=True,
     )
@@ -451,6 +453,7 @@ def _write_config_json(run: Run) -> None:
         "device": str(accelerator.device),
         "device_name": torch.cuda.get_device_name() if accelerator.device.type == "cuda" else "cpu",
         "mixed_precision": accelerator.mixed_precision,
+        "threads": torch.get_num_threads(),  # in effect in each process (--threads, else the launcher's choice)
         "resumed_from": str(run.resume_checkpoint) if run.resume_checkpoint else None,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": sys.argv,
