@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 # Parallel test workers (the suite's multi-process tests already use 2 processes each).
 TEST_WORKERS ?= 2
 
-.PHONY: install run test lint format bench clean
+.PHONY: install cpp-tools run test lint format bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/python recipes/sasrec.py
 
-test: install
+# g++ and cmake for the C++ LibTorch consumer of exported models (export/cpp/, built by a test): Debian's packages,
+# installed when missing (root needed; without them that test skips and says why).
+cpp-tools:
+	@command -v cmake >/dev/null && command -v g++ >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq cmake g++ >/dev/null; } || \
+		echo "cmake/g++ missing and not installable here: the C++ consumer test will skip"
+
+test: install cpp-tools
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 lint: install
