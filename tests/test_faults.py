@@ -1,8 +1,10 @@
 """Faults a user meets: damaged checkpoints, a second run on a live run's directory, a killed launcher, resume with
 changed settings, machines without a shared filesystem, a full disk. Each ends in one line and loses nothing."""
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,6 +109,43 @@ def test_a_run_directory_has_one_live_run_and_dead_launchers_take_their_workers(
     resumed = run_recipe([*args, "--epochs", "1", "--resume-from", "auto"], recipe=TOY, check=False)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
     assert verify_run(out) == []
+
+
+# A worker whose launcher is killed before the worker has imported the toolkit (a kill during start-up on a busy
+# machine): found by killing launchers at random moments, the worker then sat in the rendezvous for --dist-timeout.
+ORPHAN = """
+import os, sys
+launcher = int(sys.argv[1])
+while os.getppid() == launcher:  # polling a condition: the launcher is gone, so the worker is adopted
+    os.sched_yield()
+import toolkit  # what every recipe imports first
+print("the worker survived its launcher", file=sys.stderr)
+"""
+LAUNCHER = """
+import os, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], stderr=open(sys.argv[2], "w"),
+                          env={**os.environ, "TORCHELASTIC_RUN_ID": "none", "RANK": "1"})
+print(os.getpid(), worker.pid, flush=True)
+os._exit(0)  # as if killed: nobody waits for the worker
+"""
+
+
+def test_a_launcher_killed_before_its_worker_started_takes_the_worker_too(tmp_path):
+    log = tmp_path / "worker.err"
+    started = subprocess.run([sys.executable, "-c", LAUNCHER, ORPHAN, str(log)], cwd=ROOT, env=recipe_env(),
+                             capture_output=True, text=True, check=True)
+    launcher, worker = map(int, started.stdout.split())
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(worker).wait(timeout=60)
+    lines = log.read_text().splitlines()
+    assert "the worker survived its launcher" not in lines
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, lines
+    adopter = re.fullmatch(
+        rf"error: \[rank 1\] the launcher died before this worker started \(its parent is now pid (\d+), not a "
+        rf"launcher\); worker pid {worker} stops \(complete checkpoints are intact: continue with --resume-from auto\)",
+        errors[0])
+    assert adopter and int(adopter.group(1)) != launcher, errors[0]
 
 
 @pytest.mark.parametrize("flag, value", [("--batch-size", "32"), ("--seed", "3"), ("--lr", "0.1"),

@@ -1,6 +1,8 @@
 """The toolkit. Importing it makes SIGUSR1 (SLURM's pre-emption / time-limit signal) set a flag instead of killing
 the process, so a signal that arrives while a recipe is still importing torch or preparing data is not lost:
-the recipes import `toolkit` first, and the training loop checkpoints and stops at its next step."""
+the recipes import `toolkit` first, and the training loop checkpoints and stops at its next step. Under a launcher,
+importing it also starts the watch that stops this worker when the launcher dies (toolkit.orphans), as early as
+possible: a launcher killed during start-up must not leave a worker waiting for a rendezvous."""
 
 import signal
 import threading
@@ -15,3 +17,7 @@ def _remember(signum, frame) -> None:
 
 if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
     signal.signal(signal.SIGUSR1, _remember)
+
+from toolkit import orphans  # noqa: E402  after the signal handler: that one must come first
+
+orphans.stop_when_launcher_dies()
