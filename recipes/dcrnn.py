@@ -1,0 +1,261 @@
+"""DCRNN traffic speed forecasting: 12 readings (1 hour) in, the next 12 out, on a road graph.
+
+Runs unchanged on one CPU, several CPU processes (gloo), 1-8 GPUs and several nodes:
+
+    python -m toolkit.data.traffic synth --out data/synth-la --sensors 50 --days 28
+    python recipes/dcrnn.py --data data/synth-la                              # CPU preset, minutes on 2 cores
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/dcrnn.py --data data/synth-la
+    accelerate launch --config_file accelerate_configs/4gpu.yaml recipes/dcrnn.py --preset metr-la --data METR-LA
+
+Features: --data is a directory with a pandas HDF5 speed table (metr-la.h5, timestamps x sensors, mph, 0 = missing)
+and the adjacency pickle adj_mx.pkl ([sensor_ids, id_to_index, matrix]); the timeline is split 70/10/20 in time and
+windows never cross a boundary; inputs are speed (standardised with the training inputs' mean/std) and time of day.
+Encoder-decoder of diffusion-convolution GRU cells (dual random walk, K steps); scheduled sampling with inverse-
+sigmoid decay, the coin of each (window, decoder step) keyed by (seed, step, window), so any process count and any
+resume draw the same coins; gradient clipping; Adam with step decay. Loss and metrics are masked (missing readings
+left out) and in mph after undoing the scaling: MAE, RMSE, MAPE overall and at 15/30/60 minutes, gathered with
+gather_for_metrics. Test metrics of the best-validation checkpoint and the two baselines on the same test windows
+(historical average of the same slot of the week, last observed value) go into summary.json.
+Presets (--preset): `cpu` (default: small model, minutes on a laptop CPU) and `metr-la` (the paper's settings: 2 layers
+of 64 units, K=2, batch 64, lr 0.01 decayed x0.1 at epochs 20/30/40/50, clip 5, 100 epochs, decay steps 2000);
+flags given with a preset override its values.
+
+Errors (one line, exit 2, before anything is written): no --data, a --data directory without exactly one .h5 table and
+one adj*.pkl, a table that is not pandas HDF5, has no time index, irregular timestamps, non-numeric or negative
+speeds, or fewer timesteps than one window per part; an adjacency that is not [ids, index, matrix], whose size or ids
+disagree with the table; out-of-range numbers; --batch-size not divisible by the process count or larger than the
+training windows; and the shared flags' errors (fp16 on CPU, bad --resume-from, --output-dir in use...).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.data.traffic import (  # noqa: E402
+    OUTPUT_STEPS,
+    baseline_metrics,
+    horizon_metrics,
+    prepare_traffic,
+    split_windows,
+)
+from toolkit.distributed import global_mean  # noqa: E402
+from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
+from toolkit.loop import TrainingLoop  # noqa: E402
+from toolkit.metrics import masked_error_sums  # noqa: E402
+from toolkit.models.dcrnn import DCRNN, sampling_probability  # noqa: E402
+from toolkit.randomness import keyed_uniform  # noqa: E402
+from toolkit.run import main_process_first, start_run  # noqa: E402
+from toolkit.tracking import format_table  # noqa: E402
+
+TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
+
+
+@dataclass
+class DCRNNConfig(TrainConfig):
+    """The `cpu` preset: a small DCRNN that trains in minutes on 2 CPU cores on a generated 50-sensor network."""
+
+    preset: Literal["cpu", "metr-la"] = "cpu"
+    """Defaults for every other flag: cpu (small, quick) or metr-la (the paper's settings). Explicit flags win."""
+    data: Path | None = None
+    """Directory holding the speed table (*.h5, e.g. metr-la.h5) and the adjacency pickle (adj*.pkl)."""
+    cache_dir: Path = Path("~/.cache/accelerate-recipes")
+    """Where the processed table is cached (`datasets`)."""
+    units: int = 16
+    """Hidden units of each DCGRU cell."""
+    layers: int = 2
+    """Stacked DCGRU cells in the encoder and in the decoder."""
+    diffusion_steps: int = 2
+    """K: diffusion steps per random-walk support."""
+    sampling_decay_steps: float = 80.0
+    """Scheduled sampling: the decoder gets the true value with probability k / (k + exp(step / k)); 0 = never."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (eps 1e-3, as the reference code) or plain SGD."""
+    lr_decay_epochs: tuple[int, ...] = (4,)
+    """Multiply the learning rate by --lr-decay at these epochs (step decay)."""
+    lr_decay: float = 0.1
+    """Step-decay factor."""
+    epochs: int = 6
+    batch_size: int = 64
+    lr: float = 0.01
+    max_grad_norm: float = 5.0
+
+
+@dataclass
+class METRLAConfig(DCRNNConfig):
+    """The `metr-la` preset: the published DCRNN settings (Li et al. 2018, the reference code's dcrnn_la.yaml)."""
+
+    preset: Literal["cpu", "metr-la"] = "metr-la"
+    units: int = 64
+    sampling_decay_steps: float = 2000.0
+    lr_decay_epochs: tuple[int, ...] = (20, 30, 40, 50)
+    epochs: int = 100
+
+
+PRESETS = {"cpu": DCRNNConfig, "metr-la": METRLAConfig}
+
+
+def chosen_preset(argv: list[str] | None) -> type[DCRNNConfig]:
+    """The preset's config class, read ahead of parsing so that its values become the defaults (an unknown name is
+    left to the parser, which names the valid ones)."""
+    args = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--preset" and i + 1 < len(args) else arg.partition("=")[2]
+        if arg == "--preset" or arg.startswith("--preset="):
+            return PRESETS.get(value, DCRNNConfig)
+    return DCRNNConfig
+
+
+def check(cfg: DCRNNConfig) -> None:
+    """Recipe-specific checks, before anything is built."""
+    if cfg.data is None:
+        raise UsageError(
+            "--data is missing; give a directory with metr-la.h5 and adj_mx.pkl (make one with "
+            "`python -m toolkit.data.traffic synth --out data/synth-la --sensors 50 --days 28`)"
+        )
+    for name in ["units", "layers", "diffusion_steps"]:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    if not 0 <= cfg.sampling_decay_steps < float("inf"):
+        raise UsageError(
+            f"--sampling-decay-steps {cfg.sampling_decay_steps} is invalid; give a finite number >= 0 "
+            "(0 = no scheduled sampling)"
+        )
+    if not 0 < cfg.lr_decay <= 1:
+        raise UsageError(f"--lr-decay {cfg.lr_decay} is invalid; it must be in (0, 1]")
+    if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
+        raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(chosen_preset(argv), argv, description=__doc__)
+    check(cfg)
+    # The graph supports are constants on every rank: no need for DDP to broadcast them every forward.
+    run = start_run(cfg, recipe="dcrnn", ddp_kwargs={"broadcast_buffers": False})
+    accelerator = run.accelerator
+
+    # ---- data: read, checked and cached by the main process, loaded from the cache by the others -------------
+    table, meta = main_process_first(run, lambda: prepare_traffic(cfg.data, cfg.cache_dir.expanduser()))
+    split = split_windows(table)
+    run.describe_data(
+        meta["fingerprint"], source=meta["source"], sensors=meta["num_sensors"], timesteps=meta["num_timesteps"]
+    )
+    minutes = meta["interval_minutes"]
+    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
+    train_loader = DataLoader(split.train, shuffle=True, drop_last=True, **loader_args)
+    valid_loader = DataLoader(split.valid, shuffle=False, **loader_args)
+    test_loader = DataLoader(split.test, shuffle=False, **loader_args)
+    if len(train_loader) == 0:
+        raise UsageError(
+            f"--batch-size {cfg.batch_size} exceeds the {len(split.train)} training windows; use a smaller one"
+        )
+    run.print(
+        f"data: {meta['num_sensors']} sensors, {meta['num_timesteps']} timesteps every {minutes:g} min "
+        f"({meta['missing_fraction']:.1%} missing); windows train/val/test {len(split.train)}/"
+        f"{len(split.valid)}/{len(split.test)}; speed mean {split.scaler.mean:.2f} std {split.scaler.std:.2f} "
+        f"mph (training inputs)"
+    )
+    baselines = baseline_metrics(split, split.test, "test", minutes)  # cheap, the same on every rank
+
+    # ---- model and optimisation ----------------------------------------------------------------------------
+    model = DCRNN(
+        meta["adjacency"],
+        input_dim=2,
+        output_dim=1,
+        units=cfg.units,
+        layers=cfg.layers,
+        diffusion_steps=cfg.diffusion_steps,
+        horizon=OUTPUT_STEPS,
+    )
+    if cfg.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)  # as the loop counts them
+    milestones = [epoch * steps_per_epoch for epoch in cfg.lr_decay_epochs]
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.lr_decay)
+    model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, valid_loader, test_loader
+    )
+    scaler = split.scaler
+    run.print(
+        f"model: DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters"
+    )
+
+    def forecast_metrics(loader, prefix):
+        """Masked errors in mph per horizon; every window counted once (gather_for_metrics drops the padding)."""
+        sums = torch.zeros(OUTPUT_STEPS, 5, dtype=torch.float64)
+        for batch in loader:
+            with accelerator.autocast():
+                predicted = model(batch["x"])
+            per_window = masked_error_sums(scaler.inverse(predicted.float()), batch["y"], keep_dims=(0, 1))
+            sums += accelerator.gather_for_metrics(per_window).sum(dim=0).cpu()  # [windows, horizon, 5] -> sums
+        metrics = horizon_metrics(sums, prefix, minutes)
+        # {prefix}_loss: the training objective, masked MAE in mph over every horizon (so it equals {prefix}_mae)
+        return {f"{prefix}_loss": metrics[f"{prefix}_mae"], **metrics}
+
+    loop = TrainingLoop(
+        run,
+        model,
+        train_loader,
+        evaluate=lambda: forecast_metrics(valid_loader, "val"),
+        main_metric="val_mae",
+        higher_is_better=False,
+    )
+
+    def training_loss(batch):
+        truth = batch["y"]
+        use_teacher = None
+        if cfg.sampling_decay_steps:
+            step = loop.progress.global_step
+            coins = keyed_uniform(
+                cfg.seed, TEACHER_COINS, step, batch["window"][:, None].cpu(), torch.arange(OUTPUT_STEPS)[None, :]
+            )
+            use_teacher = (coins < sampling_probability(step, cfg.sampling_decay_steps)).to(truth.device)
+        predicted = scaler.inverse(model(batch["x"], scaler.transform(truth), use_teacher).float())
+        observed = truth > 0  # missing readings are 0: left out of the loss
+        error_sum = torch.where(observed, (predicted - truth).abs(), torch.zeros_like(predicted)).sum()
+        return global_mean(accelerator, error_sum, observed.sum())  # masked MAE in mph over the GLOBAL batch
+
+    # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
+    loop.start()
+    for _epoch in loop.epochs():
+        model.train()
+        for batch in loop.batches():
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    loss, loss_value = training_loss(batch)
+                accelerator.backward(loss)
+                if cfg.max_grad_norm and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            loop.record_loss(loss_value)
+        loop.end_epoch()
+
+    # ---- test the best validation checkpoint, next to the baselines on the same windows -----------------------
+    loop.load_best()
+    test_metrics = loop.test(lambda: forecast_metrics(test_loader, "test"))
+    summary = loop.finish(extra={"baselines": baselines})
+    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
+    for name, metrics in baselines.items():
+        run.print(format_table(f"baseline {name} on the same test windows", metrics))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
