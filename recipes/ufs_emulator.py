@@ -1,0 +1,315 @@
+"""UFS sea-ice emulator: an MLP from the local ocean/atmosphere state (14 fields) to ice concentration (aice).
+
+Runs unchanged on one CPU process with many threads (seed 000's CPU-node mode), several CPU processes (gloo, seed
+001), GPUs and several nodes:
+
+    python -m toolkit.data.ufs synth --out data/gdas-like.nc            # a file with a known noise floor sigma
+    python recipes/ufs_emulator.py --data data/gdas-like.nc --threads 2
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/ufs_emulator.py --data data/gdas-like.nc
+    sbatch slurm/multinode_cpu.sbatch recipes/ufs_emulator.py --data /path/to/gdas.ice.t00z.inst.f009.nc
+    python -m toolkit.export torchscript runs/ufs_emulator/<run> --out emulator.pt    # for C++ (export/cpp/)
+
+Features: inputs and outputs chosen by variable name (default: sst sss tair tsfc hi hs sice uocn vocn uatm vatm
+qref flwdn fswdn -> aice); patterns are the cells of the sea-ice domain (ocean mask, |latitude| >= --min-abs-lat),
+thinned (--thin), capped (--max-patterns) and split into training and validation (--val-fraction) by keyed coins
+per cell; each rank reads its own strided share of the patterns (seed 001) and the per-feature mean/std of inputs
+and outputs are merged over the ranks as (count, mean, M2) in float64, stored IN the model as buffers (a std below
+1e-6 becomes 1); the network trains in normalised space with MSE; validation reports RMSE and MAE in physical
+units, R^2 and, for generated files, RMSE / the noise floor sigma; early stopping on the validation loss
+(--patience); the best weights give the final validation metrics and a predicted-vs-true scatter (val_scatter.png).
+
+Errors (one line, exit 2, before anything is written): no --data, a missing or unreadable file, a missing variable,
+an all-masked domain, NaNs inside the domain (with their count), out-of-range numbers, a batch larger than the
+training patterns, and everything the shared flags refuse.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.data.cache import file_fingerprint  # noqa: E402
+from toolkit.data.ufs import (  # noqa: E402
+    DEFAULT_INPUTS,
+    DEFAULT_OUTPUTS,
+    FORMAT_VERSION,
+    PatternRows,
+    load_patterns,
+    whole_batch,
+)
+from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
+from toolkit.loop import TrainingLoop  # noqa: E402
+from toolkit.metrics import error_metrics, masked_error_sums  # noqa: E402
+from toolkit.models.ufs_emulator import UfsEmulator  # noqa: E402
+from toolkit.run import start_run  # noqa: E402
+from toolkit.tracking import format_table  # noqa: E402
+
+
+@dataclass
+class UfsConfig(TrainConfig):
+    data: Path | None = None
+    """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one)."""
+    inputs: tuple[str, ...] = DEFAULT_INPUTS
+    """Input variables, by name."""
+    outputs: tuple[str, ...] = DEFAULT_OUTPUTS
+    """Output variables, by name."""
+    mask_variable: str = "tmask"
+    """Ocean mask variable (cells > 0.5 are ocean); "" = every cell."""
+    lat_variable: str = "TLAT"
+    """Latitude variable (degrees) for --min-abs-lat."""
+    min_abs_lat: float = 40.0
+    """The sea-ice domain: cells with |latitude| >= this (0 = every latitude)."""
+    thin: int = 1
+    """Keep every N-th domain cell."""
+    max_patterns: int = 0
+    """At most this many patterns (a keyed random subset; 0 = all)."""
+    val_fraction: float = 0.1
+    """Share of the patterns held out for validation (a keyed coin per cell)."""
+    hidden: int = 64
+    """Width of each hidden layer."""
+    layers: int = 3
+    """Hidden layers (GELU)."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (the reference) or plain SGD."""
+    weight_decay: float = 1e-4
+    """L2 weight decay."""
+    patience: int = 20
+    """Stop when the validation loss has not improved by --min-delta for this many evaluations (0 = never)."""
+    min_delta: float = 0.0
+    """Improvement of the validation loss that resets the patience."""
+    # The reference settings for the shared flags.
+    epochs: int = 300
+    batch_size: int = 1000
+    lr: float = 1e-4
+
+
+def check(cfg: UfsConfig) -> None:
+    """Recipe-specific checks, before anything is built or read."""
+    if cfg.data is None:
+        raise UsageError(
+            "--data is required: a CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth "
+            "--out data/gdas-like.nc writes a generated one)"
+        )
+    for name in ["thin", "hidden", "layers"]:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    for name in ["max_patterns", "patience"]:
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 0")
+    if not 0 < cfg.val_fraction < 1:
+        raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid; it must be in (0, 1)")
+    if not 0 <= cfg.min_abs_lat <= 90:
+        raise UsageError(f"--min-abs-lat {cfg.min_abs_lat} is invalid; give degrees in [0, 90]")
+    if not 0 <= cfg.weight_decay < float("inf"):
+        raise UsageError(f"--weight-decay {cfg.weight_decay} is invalid; it must be a finite number >= 0")
+    if not 0 <= cfg.min_delta < float("inf"):
+        raise UsageError(f"--min-delta {cfg.min_delta} is invalid; it must be a finite number >= 0")
+    for flag, names in (("--inputs", cfg.inputs), ("--outputs", cfg.outputs)):
+        if not names or len(set(names)) != len(names):
+            raise UsageError(f"{flag} {' '.join(names)} is invalid; give one or more distinct variable names")
+    if set(cfg.inputs) & set(cfg.outputs):
+        raise UsageError(f"{sorted(set(cfg.inputs) & set(cfg.outputs))[0]} is in both --inputs and --outputs")
+
+
+class EarlyStopping:
+    """Evaluations since the validation loss last improved by min_delta (checkpointed: a resume continues it)."""
+
+    def __init__(self, patience: int, min_delta: float):
+        self.patience, self.min_delta = patience, min_delta
+        self.best, self.stale = float("inf"), 0
+
+    def update(self, value: float) -> bool:
+        """Record an evaluation; True when the run should stop."""
+        if value < self.best - self.min_delta:
+            self.best, self.stale = value, 0
+        else:
+            self.stale += 1
+        return bool(self.patience) and self.stale >= self.patience
+
+    def state_dict(self):
+        return {"best": self.best, "stale": self.stale}
+
+    def load_state_dict(self, state):
+        self.best, self.stale = state["best"], state["stale"]
+
+
+def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tensor, names, units, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4.2), squeeze=False)
+    for k, (ax, name) in enumerate(zip(axes[0], names, strict=True)):
+        x, y = true[:, k].numpy(), predicted[:, k].numpy()
+        ax.scatter(x, y, s=2, alpha=0.3)
+        low, high = min(x.min(), y.min()), max(x.max(), y.max())
+        ax.plot([low, high], [low, high], color="black", linewidth=0.8)
+        ax.set(xlabel=f"true {name} [{units.get(name, '')}]", ylabel=f"predicted {name}", title=title)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(UfsConfig, argv, description=__doc__)
+    check(cfg)
+    run = start_run(cfg, recipe="ufs_emulator")
+    accelerator = run.accelerator
+
+    # ---- data: each rank reads its strided share; statistics merged over ranks; patterns assembled in order ----
+    patterns = load_patterns(
+        accelerator,
+        cfg.data,
+        inputs=cfg.inputs,
+        outputs=cfg.outputs,
+        mask_variable=cfg.mask_variable,
+        lat_variable=cfg.lat_variable,
+        min_abs_lat=cfg.min_abs_lat,
+        thin=cfg.thin,
+        max_patterns=cfg.max_patterns,
+        val_fraction=cfg.val_fraction,
+        seed=cfg.seed,
+    )
+    meta = patterns.meta
+    if cfg.batch_size > meta["train_patterns"]:
+        raise UsageError(
+            f"--batch-size {cfg.batch_size} exceeds the {meta['train_patterns']} training patterns of "
+            f"{cfg.data}; use a smaller one"
+        )
+    sigma = meta["attributes"].get("noise_sigma")  # generated files: the noise floor of the (single) output
+    run.describe_data(
+        file_fingerprint(cfg.data.expanduser(), FORMAT_VERSION),
+        path=str(cfg.data),
+        patterns=meta["patterns"],
+        train=meta["train_patterns"],
+        valid=meta["valid_patterns"],
+        grid=meta["grid"],
+        units=meta["units"],
+        noise_sigma=sigma,
+    )
+    run.print(
+        f"data: {meta['patterns']} patterns of {meta['domain_cells']} domain cells on a {meta['grid']} grid "
+        f"({meta['train_patterns']} training, {meta['valid_patterns']} validation)"
+    )
+
+    # ---- model: the statistics are its buffers; it trains on normalised patterns -------------------------------
+    model = UfsEmulator(
+        patterns.input_mean,
+        patterns.input_std,
+        patterns.output_mean,
+        patterns.output_std,
+        hidden=cfg.hidden,
+        layers=cfg.layers,
+    )
+    train_set = PatternRows(
+        {"x": model.normalise_inputs(patterns.train_inputs), "y": model.normalise_outputs(patterns.train_targets)},
+        index_name="pattern",
+    )
+    valid_set = PatternRows(
+        {"x": model.normalise_inputs(patterns.valid_inputs), "y_true": patterns.valid_targets}, index_name="pattern"
+    )
+    valid_variance = patterns.valid_targets.var(dim=0, unbiased=False)  # for R^2 (float64, the whole split)
+    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=whole_batch)
+    # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
+    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
+    valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
+    optimizer_type = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
+    optimizer = optimizer_type(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+    emulator = accelerator.unwrap_model(model)
+    run.print(
+        f"model: {cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}, "
+        f"{sum(p.numel() for p in emulator.parameters()):,} parameters"
+    )
+
+    def validation_metrics(prefix: str, keep: list | None = None) -> dict:
+        """RMSE/MAE in physical units, R^2, and the normalised MSE (the training loss) over the whole split."""
+        sums = torch.zeros(len(cfg.outputs), 5, dtype=torch.float64)
+        for batch in valid_loader:
+            with accelerator.autocast():
+                out = model(batch["x"])
+            predicted = emulator.to_physical_outputs(out.float())
+            predicted, true = accelerator.gather_for_metrics((predicted, batch["y_true"]))
+            sums += masked_error_sums(predicted, true, keep_dims=1).cpu()
+            if keep is not None:
+                keep.append((predicted.cpu(), true.cpu()))
+        metrics = {}
+        normalised_mse = 0.0
+        for k, name in enumerate(cfg.outputs):
+            errors = error_metrics(sums[k])
+            mse = errors["rmse"] ** 2
+            normalised_mse += mse / float(emulator.output_std[k]) ** 2 / len(cfg.outputs)
+            metrics[f"{prefix}_rmse_{name}"] = errors["rmse"]
+            metrics[f"{prefix}_mae_{name}"] = errors["mae"]
+            metrics[f"{prefix}_r2_{name}"] = 1.0 - mse / float(valid_variance[k])
+        if sigma and len(cfg.outputs) == 1:
+            metrics[f"{prefix}_rmse_over_sigma"] = metrics[f"{prefix}_rmse_{cfg.outputs[0]}"] / float(sigma)
+        metrics[f"{prefix}_loss"] = normalised_mse
+        return metrics
+
+    early_stopping = EarlyStopping(cfg.patience, cfg.min_delta)
+
+    def validate() -> dict:
+        metrics = validation_metrics("val")
+        if early_stopping.update(metrics["val_loss"]):
+            loop.request_stop(f"val_loss has not improved by {cfg.min_delta} for {cfg.patience} evaluations")
+        return metrics
+
+    loop = TrainingLoop(
+        run,
+        model,
+        train_loader,
+        evaluate=validate,
+        main_metric="val_loss",
+        higher_is_better=False,
+        state={"early_stopping": early_stopping},
+    )
+
+    # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ------------
+    loop.start()
+    for _epoch in loop.epochs():
+        model.train()
+        for batch in loop.batches():
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    out = model(batch["x"])
+                loss = F.mse_loss(out.float(), batch["y"])  # equal per-rank batches: the mean of means is global
+                accelerator.backward(loss)
+                if cfg.max_grad_norm and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loop.record_loss(accelerator.reduce(loss.detach(), reduction="mean"))
+        loop.end_epoch()
+
+    # ---- the best weights: validation metrics and the predicted-vs-true scatter (this recipe has no test split) -
+    loop.load_best()
+    pairs: list = []
+    best_metrics = loop.test(lambda: validation_metrics("best_val", keep=pairs))
+    predicted, true = torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
+    run.write_artifact(
+        "val_scatter.png",
+        lambda path: plot_predicted_vs_true(
+            path, predicted, true, cfg.outputs, meta["units"], f"validation, best step {loop.progress.best_step}"
+        ),
+    )
+    summary = loop.finish()
+    run.print(format_table(f"validation metrics of the best step {summary['best_step']}", best_metrics))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""UFS emulator data: the generator's file (fields, units, noise of the recorded sigma), the sea-ice domain, cap and
+thin, the strided sharding (statistics and patterns independent of it, also in a real 2-process gloo run, and
+accurate for temperatures near 273 K where sqrt(E[x^2] - mean^2) is not), and one-line errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from accelerate import Accelerator
+from conftest import ROOT, ranks_seen, run_recipe
+
+from toolkit.data.ufs import (
+    DEFAULT_INPUTS,
+    FIELDS,
+    assemble_strided,
+    clean_aice,
+    load_patterns,
+    open_dataset,
+    read_shard,
+    select_patterns,
+    synthesize,
+)
+from toolkit.distributed import combine_moments, local_moments, std_from_moments
+from toolkit.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator(cpu=True)
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory):
+    return synthesize(tmp_path_factory.mktemp("ufs") / "grid.nc", seed=3, nlat=60, nlon=120, sigma=0.05)
+
+
+def two_pass(x: np.ndarray):
+    """float64 mean and population std per column, two-pass (the reference)."""
+    columns = np.ascontiguousarray(np.asarray(x, dtype=np.float64).T)
+    mean = columns.sum(axis=1) / columns.shape[1]
+    deviation = columns - mean[:, None]
+    return mean, np.sqrt((deviation * deviation).sum(axis=1) / columns.shape[1])
+
+
+def relative(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300)))
+
+
+def test_generated_file_has_the_fields_units_and_noise_it_says(grid_file):
+    ds = xr.open_dataset(grid_file, engine="netcdf4")
+    assert set(DEFAULT_INPUTS) | {"aice", "tmask", "TLAT", "TLON"} <= set(ds.variables)
+    assert ds["sst"].attrs["units"] == "K" and ds["uatm"].attrs["units"] == "m/s" and ds["hi"].attrs["units"] == "m"
+    assert ds["sst"].dims == ("time", "nj", "ni") and ds["sst"].shape == (1, 60, 120)
+    sigma = float(ds.attrs["noise_sigma"])
+    assert sigma == 0.05 and "sigmoid" in ds.attrs["aice_formula"]
+    ocean = ds["tmask"].values > 0.5
+    values = {name: ds[name].values[0][ocean].astype(np.float64) for name in FIELDS}
+    assert np.isnan(ds["sst"].values[0][~ocean]).all()  # land is fill, as in model output
+    assert 271.0 < values["sst"].min() and values["sst"].max() < 300.0
+    assert values["hi"].min() >= 0 and values["fswdn"].min() >= 0 and 0 < values["qref"].max() < 0.03
+    # aice minus the known clean function is the noise: its std is the recorded sigma (float32 storage aside)
+    residual = ds["aice"].values[0][ocean].astype(np.float64) - clean_aice(values)
+    assert abs(residual.mean()) < 0.005 and abs(residual.std() / sigma - 1) < 0.05
+
+
+def test_patterns_cover_the_domain_and_statistics_equal_the_float64_reference(grid_file, accelerator):
+    patterns = load_patterns(accelerator, grid_file, seed=1)
+    meta = patterns.meta
+    ds = xr.open_dataset(grid_file)
+    domain = (ds["tmask"].values > 0.5) & (np.abs(ds["TLAT"].values) >= 40)
+    assert meta["domain_cells"] == meta["patterns"] == int(domain.sum())
+    assert meta["train_patterns"] + meta["valid_patterns"] == meta["patterns"]
+    assert 0.05 < meta["valid_patterns"] / meta["patterns"] < 0.15
+    assert torch.isfinite(patterns.train_inputs).all() and patterns.train_inputs.dtype == torch.float64
+    mean, std = two_pass(torch.cat([patterns.train_inputs, patterns.train_targets], dim=1).numpy())
+    assert relative(torch.cat([patterns.input_mean, patterns.output_mean]), mean) < 1e-12
+    assert relative(torch.cat([patterns.input_std, patterns.output_std]), std) < 1e-12
+    # the same selection with another seed is another validation split, the same domain
+    other = load_patterns(accelerator, grid_file, seed=2)
+    assert other.meta["patterns"] == meta["patterns"] and not torch.equal(other.valid_targets, patterns.valid_targets)
+
+
+def test_thin_and_cap(grid_file):
+    with open_dataset(grid_file) as ds:
+        names = [*DEFAULT_INPUTS, "aice"]
+        common = dict(
+            names=names, mask_variable="tmask", lat_variable="TLAT", min_abs_lat=40.0, val_fraction=0.1, seed=0
+        )
+        every = select_patterns(ds, grid_file, thin=1, max_patterns=0, **common)
+        thinned = select_patterns(ds, grid_file, thin=3, max_patterns=0, **common)
+        capped = select_patterns(ds, grid_file, thin=1, max_patterns=500, **common)
+    assert np.array_equal(thinned.cells, every.cells[::3])
+    assert len(capped.cells) == 500 and np.isin(capped.cells, every.cells).all()
+    assert np.all(np.diff(capped.cells) > 0)  # kept in grid order
+    assert capped.cells.min() < every.cells[len(every.cells) // 2] < capped.cells.max()  # spread, not the first 500
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_sharding_changes_neither_the_patterns_nor_the_statistics(grid_file, world):
+    with open_dataset(grid_file) as ds:
+        names = [*DEFAULT_INPUTS, "aice"]
+        selection = select_patterns(
+            ds,
+            grid_file,
+            names=names,
+            mask_variable="tmask",
+            lat_variable="TLAT",
+            min_abs_lat=40.0,
+            thin=1,
+            max_patterns=0,
+            val_fraction=0.1,
+            seed=0,
+        )
+        whole = torch.from_numpy(read_shard(ds, grid_file, names, selection.cells, 0, 1))
+        shards = [torch.from_numpy(read_shard(ds, grid_file, names, selection.cells, r, world)) for r in range(world)]
+    assert [len(s) for s in shards] == [len(range(r, len(selection.cells), world)) for r in range(world)]
+    assert torch.equal(assemble_strided(shards), whole)  # the same patterns, in the same order, bit for bit
+    train = [s[~torch.from_numpy(selection.is_valid[r::world])] for r, s in enumerate(shards)]
+    count, mean, _, m2 = combine_moments(torch.stack([local_moments(t) for t in train]))
+    reference_mean, reference_std = two_pass(whole[~torch.from_numpy(selection.is_valid)].numpy())
+    assert relative(mean, reference_mean) < 1e-12
+    assert relative(std_from_moments(count, m2), reference_std) < 1e-12
+
+
+# ---- bad files: one UsageError line naming the file and what is wrong ----------------------------------------
+
+
+def _edited(source, target, edit):
+    ds = xr.open_dataset(source, engine="netcdf4").load()
+    edit(ds)
+    ds.to_netcdf(target, engine="netcdf4")
+    return target
+
+
+def test_missing_file_and_missing_variable_are_named(grid_file, accelerator, tmp_path):
+    with pytest.raises(UsageError, match="/no/such.nc does not exist"):
+        load_patterns(accelerator, "/no/such.nc")
+    with pytest.raises(UsageError, match=r"grid.nc has no input variable 'salty'"):
+        load_patterns(accelerator, grid_file, inputs=["sst", "salty"])
+    without_mask = _edited(grid_file, tmp_path / "nomask.nc", lambda ds: ds.__delitem__("tmask"))
+    with pytest.raises(UsageError, match=r"nomask.nc has no mask .*'tmask'"):
+        load_patterns(accelerator, without_mask)
+    text = tmp_path / "notes.nc"
+    text.write_text("not netCDF")
+    with pytest.raises(UsageError, match="notes.nc is not a readable netCDF file"):
+        load_patterns(accelerator, text)
+
+
+def test_all_masked_domain_and_nans_are_refused_with_their_count(grid_file, accelerator, tmp_path):
+    with pytest.raises(UsageError, match="the sea-ice domain is empty"):
+        load_patterns(accelerator, grid_file, min_abs_lat=90.0)
+
+    def poke_nans(ds):
+        inside = np.flatnonzero(((ds["tmask"].values > 0.5) & (np.abs(ds["TLAT"].values) >= 40)).ravel())[:7]
+        values = ds["hi"].values.copy()
+        values[0].ravel()[inside] = np.nan
+        values[0] = values[0].reshape(values.shape[1:])
+        ds["hi"] = (ds["hi"].dims, values, ds["hi"].attrs)
+
+    holes = _edited(grid_file, tmp_path / "holes.nc", poke_nans)
+    with pytest.raises(UsageError, match=r"holes.nc: input field 'hi' has 7 NaN/inf values inside the sea-ice"):
+        load_patterns(accelerator, holes)
+
+
+def test_generator_cli(tmp_path):
+    out = tmp_path / "small.nc"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.data.ufs",
+            "synth",
+            "--out",
+            str(out),
+            "--nlat",
+            "8",
+            "--nlon",
+            "16",
+            "--seed",
+            "4",
+            "--sigma",
+            "0.1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    ds = xr.open_dataset(out)
+    assert ds["aice"].shape == (1, 8, 16) and float(ds.attrs["noise_sigma"]) == 0.1 and int(ds.attrs["seed"]) == 4
+    bad = subprocess.run(
+        [sys.executable, "-m", "toolkit.data.ufs", "synth", "--out", str(tmp_path / "x.nc"), "--sigma", "-1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --sigma -1.0 is invalid; give a finite standard deviation >= 0"
+    ]
+    assert not (tmp_path / "x.nc").exists()
+
+
+# ---- a real 2-process gloo run: each rank reads its share; the merged statistics equal 1-process ones ----------
+
+STATS_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    from accelerate import Accelerator
+    from toolkit.data.ufs import load_patterns
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    os.write(2, f"[rank {rank}/{world}]\\n".encode())  # one write: the ranks' lines do not interleave
+    p = load_patterns(accelerator, sys.argv[1], max_patterns=int(sys.argv[3]))
+    out = {"world": world, "shard_rows": len(range(rank, p.meta["patterns"], world)),
+           "mean": torch.cat([p.input_mean, p.output_mean]).tolist(),
+           "std": torch.cat([p.input_std, p.output_std]).tolist(),
+           "train": torch.cat([p.train_inputs, p.train_targets], 1).tolist()}
+    with open(f"{sys.argv[2]}.{rank}.json", "w") as f:
+        json.dump(out, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def cold_file(grid_file, tmp_path_factory):
+    """tair near 273.15 K with a spread of 1e-4 K (a few float32 ulps): float64 E[x^2] - mean^2 loses digits."""
+
+    def freeze(ds):
+        rng = np.random.default_rng(0)
+        values = 273.15 + 1e-4 * rng.standard_normal(ds["tair"].shape)
+        ds["tair"] = (ds["tair"].dims, values.astype(np.float32), ds["tair"].attrs)
+
+    return _edited(grid_file, tmp_path_factory.mktemp("cold") / "cold.nc", freeze)
+
+
+@pytest.fixture(scope="module")
+def two_process_stats(cold_file, tmp_path_factory):
+    where = tmp_path_factory.mktemp("stats")
+    script = where / "stats.py"
+    script.write_text(STATS_SCRIPT)
+    result = run_recipe(
+        [str(cold_file), str(where / "out"), "1001"],
+        recipe=str(script),
+        config="cpu_2proc.yaml",
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert ranks_seen(result.stderr) == {(0, 2), (1, 2)}
+    return [json.loads((where / f"out.{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_processes_read_their_shares_and_merge_to_the_one_process_statistics(
+    two_process_stats, cold_file, accelerator
+):
+    ranks = two_process_stats
+    assert [r["world"] for r in ranks] == [2, 2] and [r["shard_rows"] for r in ranks] == [501, 500]
+    single = load_patterns(accelerator, cold_file, max_patterns=1001)
+    mean = torch.cat([single.input_mean, single.output_mean]).numpy()
+    std = torch.cat([single.input_std, single.output_std]).numpy()
+    for rank in ranks:
+        assert relative(rank["mean"], mean) < 1e-12 and relative(rank["std"], std) < 1e-12
+        # training does not depend on the sharding: every rank holds the 1-process training patterns
+        assert torch.equal(
+            torch.tensor(rank["train"], dtype=torch.float64), torch.cat([single.train_inputs, single.train_targets], 1)
+        )
+
+
+@pytest.mark.slow
+def test_temperatures_near_273_k_are_exact_where_the_naive_formula_is_not(two_process_stats, cold_file, accelerator):
+    single = load_patterns(accelerator, cold_file, max_patterns=1001)
+    tair = DEFAULT_INPUTS.index("tair")
+    values = single.train_inputs[:, tair].numpy()  # the float32 file values, exactly, in float64
+    _, reference = two_pass(values[:, None])
+    naive = np.sqrt(np.mean(values * values) - np.mean(values) ** 2)  # float64, one pass
+    assert relative(naive, reference) > 1e-6  # the formula the seeds used is visibly off here ...
+    for rank in two_process_stats:  # ... the merged (count, mean, M2) of the 2-process run is not
+        assert relative(rank["std"][tair], reference) < 1e-12
+        assert 5e-5 < rank["std"][tair] < 2e-4

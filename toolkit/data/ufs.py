@@ -1,0 +1,453 @@
+"""UFS sea-ice emulator data: patterns (one grid cell = one pattern) from CICE/MOM6-style netCDF files.
+
+    python -m toolkit.data.ufs synth --out data/gdas-like.nc [--seed 0] [--nlat 180] [--nlon 360] [--sigma 0.05]
+
+Reading (xarray, netCDF4 engine): the input and output variables are chosen by name (default: the 14 -> aice set
+of the reference emulator); a field may carry leading length-1 dimensions (CICE history files have `time`). The
+patterns are the cells of the sea-ice domain: ocean (`--mask-variable`, CICE's `tmask`) poleward of
+`--min-abs-lat` (from `--lat-variable`, CICE's `TLAT`), thinned to every `--thin`-th cell, capped at
+`--max-patterns` cells (a keyed random subset, the same whatever the process count) and split into training and
+validation by a keyed coin per cell.
+
+Sharding as seed 001 does it: rank r of W reads only the values of patterns r, r+W, r+2W, ... . The normalisation
+statistics are merged from those shards (count, mean, M2 in float64: toolkit.distributed.merge_moments); the
+shards are then assembled in pattern order on every rank, so the training set, and with it the training, does not
+depend on how the patterns were sharded.
+
+Bad input is one UsageError line naming the file and what is wrong: a missing or unreadable file, a missing
+variable, a field that is not 2-D, an all-masked domain, NaNs in a field inside the domain (with their count).
+
+The generator writes such a file: the 14 fields on a lat/lon grid with plausible ranges and units (land cells are
+fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
+f a known smooth function (`clean_aice`); sigma is in the file's attributes (`noise_sigma`), so the best
+achievable validation RMSE is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolkit.data.rows import TensorRows
+from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.randomness import keyed_uniform
+
+DEFAULT_INPUTS = (
+    "sst",
+    "sss",
+    "tair",
+    "tsfc",
+    "hi",
+    "hs",
+    "sice",
+    "uocn",
+    "vocn",
+    "uatm",
+    "vatm",
+    "qref",
+    "flwdn",
+    "fswdn",
+)
+DEFAULT_OUTPUTS = ("aice",)
+FORMAT_VERSION = 1  # part of the data fingerprint: bump when the selection of patterns changes
+VALIDATION_COIN, CAP_COIN = 11, 12  # purposes of the keyed per-cell coins
+
+
+# ---- reading ---------------------------------------------------------------------------------------------------
+
+
+def open_dataset(path: Path | str):
+    """The file as an xarray Dataset (lazy: values are read when indexed)."""
+    import xarray as xr
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UsageError(
+            f"--data {path} {what}; give a CICE/MOM6-style netCDF file "
+            "(python -m toolkit.data.ufs synth --out FILE writes one)"
+        )
+    try:
+        return xr.open_dataset(path, engine="netcdf4", decode_times=False)
+    except Exception as error:  # netCDF4 raises OSError, ValueError, ... for files it cannot read
+        raise UsageError(f"--data {path} is not a readable netCDF file ({type(error).__name__}: {error})") from None
+
+
+def require_variables(ds, path: Path | str, names, what: str) -> None:
+    missing = [name for name in names if name not in ds.variables]
+    if missing:
+        have = ", ".join(sorted(str(v) for v in ds.data_vars)[:30])
+        raise UsageError(
+            f"--data {path} has no {what} variable {missing[0]!r}"
+            f"{f' (nor {missing[1:]})' if missing[1:] else ''}; the file has: {have}"
+        )
+
+
+def grid_field(ds, name: str, path: Path | str):
+    """The variable as a 2-D (y, x) DataArray: leading length-1 dimensions (time) are dropped."""
+    array = ds[name]
+    while array.ndim > 2 and array.shape[0] == 1:
+        array = array.isel({array.dims[0]: 0})
+    if array.ndim != 2:
+        raise UsageError(
+            f"--data {path}: variable {name!r} has dimensions {dict(array.sizes)}; expected a 2-D "
+            "grid field (leading length-1 dimensions such as time are allowed)"
+        )
+    return array
+
+
+@dataclass
+class Selection:
+    """The patterns: flat cell numbers of the grid (ascending) and which of them are validation patterns."""
+
+    cells: np.ndarray
+    is_valid: np.ndarray
+    grid_shape: tuple[int, int]
+    domain_cells: int  # cells in the sea-ice domain before thinning and capping
+
+
+def select_patterns(
+    ds,
+    path,
+    *,
+    names,
+    mask_variable: str,
+    lat_variable: str,
+    min_abs_lat: float,
+    thin: int,
+    max_patterns: int,
+    val_fraction: float,
+    seed: int,
+) -> Selection:
+    """Domain cells (ocean, |lat| >= min_abs_lat), every `thin`-th, at most `max_patterns` (keyed subset), with a
+    keyed validation coin per cell. Reads only the mask and latitude fields; identical on every rank."""
+    shape = grid_field(ds, names[0], path).shape
+    for name in names[1:]:
+        if grid_field(ds, name, path).shape != shape:
+            raise UsageError(
+                f"--data {path}: variable {name!r} has grid {grid_field(ds, name, path).shape}, "
+                f"{names[0]!r} has {shape}; every field must be on the same grid"
+            )
+    domain = np.ones(shape, dtype=bool)
+    if mask_variable:
+        require_variables(ds, path, [mask_variable], 'mask (--mask-variable; "" for none)')
+        domain &= np.nan_to_num(np.asarray(grid_field(ds, mask_variable, path).values, dtype=np.float64)) > 0.5
+    if min_abs_lat > 0:
+        require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
+        lat = np.asarray(grid_field(ds, lat_variable, path).values, dtype=np.float64)
+        if lat.shape != shape:
+            raise UsageError(f"--data {path}: latitude {lat_variable!r} has grid {lat.shape}, the fields {shape}")
+        domain &= np.abs(np.nan_to_num(lat)) >= min_abs_lat
+    cells = np.flatnonzero(domain.ravel())
+    domain_cells = len(cells)
+    if domain_cells == 0:
+        where = []
+        if mask_variable:
+            where.append(f"{mask_variable} > 0.5")
+        if min_abs_lat > 0:
+            where.append(f"|{lat_variable}| >= {min_abs_lat}")
+        raise UsageError(
+            f"--data {path}: the sea-ice domain is empty: no cell has {' and '.join(where) or 'data'}; "
+            "check --mask-variable / --min-abs-lat"
+        )
+    cells = cells[::thin]
+    if max_patterns and len(cells) > max_patterns:
+        coins = keyed_uniform(seed, CAP_COIN, 0, torch.from_numpy(cells)).numpy()
+        cells = np.sort(cells[np.argsort(coins, kind="stable")[:max_patterns]])
+    is_valid = keyed_uniform(seed, VALIDATION_COIN, 0, torch.from_numpy(cells)).numpy() < val_fraction
+    return Selection(cells, is_valid, tuple(shape), domain_cells)
+
+
+def read_shard(ds, path, names, cells: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """[len(cells[rank::world]), len(names)] float64: this rank's strided share of the patterns (seed 001's
+    `for i in range(rank, n, size)`), read by point indexing so only those cells' values are taken."""
+    import xarray as xr
+
+    mine = cells[rank::world]
+    columns = []
+    for name in names:
+        array = grid_field(ds, name, path)
+        rows, cols = np.unravel_index(mine, array.shape)
+        points = array.isel(
+            {array.dims[0]: xr.DataArray(rows, dims="pattern"), array.dims[1]: xr.DataArray(cols, dims="pattern")}
+        )
+        columns.append(np.asarray(points.values, dtype=np.float64))
+    return np.stack(columns, axis=1) if columns else np.zeros((len(mine), 0))
+
+
+def assemble_strided(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of the strided sharding: pattern g = r + W k is row k of shard r."""
+    world, total = len(shards), sum(len(s) for s in shards)
+    out = torch.empty((total, *shards[0].shape[1:]), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        out[rank::world] = shard
+    return out
+
+
+def gather_strided(accelerator, shard: torch.Tensor, total: int) -> torch.Tensor:
+    """Every rank's strided shard, assembled in pattern order on every rank (one all-gather, padded rows cut)."""
+    world = accelerator.num_processes
+    if world == 1:
+        return shard
+    longest = math.ceil(total / world)
+    padded = torch.zeros((longest, *shard.shape[1:]), dtype=shard.dtype)
+    padded[: len(shard)] = shard
+    gathered = accelerator.gather(padded.to(accelerator.device)).cpu().reshape(world, longest, *shard.shape[1:])
+    return assemble_strided([gathered[r, : len(range(r, total, world))] for r in range(world)])
+
+
+class PatternRows(TensorRows):
+    """TensorRows that hands the DataLoader a whole batch at once (one index per field instead of a dict per row:
+    at batch 1000 the per-row collate costs more than the MLP's step). Use with collate_fn=whole_batch."""
+
+    def __getitems__(self, indices) -> dict[str, torch.Tensor]:
+        rows = self.rows[torch.as_tensor(indices, dtype=torch.long)]
+        return {self.index_name: rows, **{name: value[rows] for name, value in self.fields.items()}}
+
+
+def whole_batch(batch):
+    """collate_fn for PatternRows: the batch is already assembled."""
+    return batch
+
+
+@dataclass
+class UfsPatterns:
+    """Physical-unit float64 patterns (the same on every rank) and the normalisation statistics."""
+
+    train_inputs: torch.Tensor
+    train_targets: torch.Tensor
+    valid_inputs: torch.Tensor
+    valid_targets: torch.Tensor
+    input_mean: torch.Tensor
+    input_std: torch.Tensor
+    output_mean: torch.Tensor
+    output_std: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+
+def load_patterns(
+    accelerator,
+    path: Path | str,
+    *,
+    inputs=DEFAULT_INPUTS,
+    outputs=DEFAULT_OUTPUTS,
+    mask_variable: str = "tmask",
+    lat_variable: str = "TLAT",
+    min_abs_lat: float = 40.0,
+    thin: int = 1,
+    max_patterns: int = 0,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+) -> UfsPatterns:
+    """Select the patterns, read this rank's strided share, refuse NaNs (counted over all ranks), merge the
+    training statistics over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every
+    shard in pattern order on every rank. A collective: every rank calls it."""
+    from toolkit.distributed import merge_moments, std_from_moments
+
+    path = Path(path).expanduser()
+    inputs, outputs = list(inputs), list(outputs)
+    with open_dataset(path) as ds:
+        require_variables(ds, path, inputs, "input")
+        require_variables(ds, path, outputs, "output")
+        names = inputs + outputs
+        selection = select_patterns(
+            ds,
+            path,
+            names=names,
+            mask_variable=mask_variable,
+            lat_variable=lat_variable,
+            min_abs_lat=min_abs_lat,
+            thin=thin,
+            max_patterns=max_patterns,
+            val_fraction=val_fraction,
+            seed=seed,
+        )
+        rank, world = accelerator.process_index, accelerator.num_processes
+        shard = torch.from_numpy(read_shard(ds, path, names, selection.cells, rank, world))
+        units = {name: str(ds[name].attrs.get("units", "")) for name in names}
+        attributes = {key: (value.item() if hasattr(value, "item") else value) for key, value in ds.attrs.items()}
+
+    bad = (~torch.isfinite(shard)).sum(dim=0).double()
+    if world > 1:
+        bad = accelerator.reduce(bad.to(accelerator.device), reduction="sum").cpu()
+    for name, count in zip(names, bad.tolist(), strict=True):
+        if count:
+            kind = "input" if name in inputs else "output"
+            raise UsageError(
+                f"--data {path}: {kind} field {name!r} has {int(count)} NaN/inf values inside the "
+                f"sea-ice domain ({len(selection.cells)} patterns); fill them or mask those cells "
+                f"(--mask-variable) before training"
+            )
+    is_valid_mine = torch.from_numpy(selection.is_valid[rank::world])
+    train_mine = shard[~is_valid_mine]
+    if int((~torch.from_numpy(selection.is_valid)).sum()) == 0:
+        raise UsageError(
+            f"--data {path}: no training patterns left ({len(selection.cells)} patterns, "
+            f"--val-fraction {val_fraction}); lower --val-fraction or --thin"
+        )
+    count, mean, m2 = merge_moments(accelerator, train_mine)
+    std = std_from_moments(count, m2)
+    full = gather_strided(accelerator, shard, len(selection.cells))
+    is_valid = torch.from_numpy(selection.is_valid)
+    n_in = len(inputs)
+    train, valid = full[~is_valid], full[is_valid]
+    meta = {
+        "inputs": inputs,
+        "outputs": outputs,
+        "units": units,
+        "grid": list(selection.grid_shape),
+        "domain_cells": selection.domain_cells,
+        "patterns": len(selection.cells),
+        "train_patterns": len(train),
+        "valid_patterns": len(valid),
+        "attributes": attributes,
+    }
+    return UfsPatterns(
+        train[:, :n_in],
+        train[:, n_in:],
+        valid[:, :n_in],
+        valid[:, n_in:],
+        mean[:n_in],
+        std[:n_in],
+        mean[n_in:],
+        std[n_in:],
+        meta,
+    )
+
+
+# ---- the generator -------------------------------------------------------------------------------------------
+
+# name: (units, long name)
+FIELDS = {
+    "sst": ("K", "sea surface temperature"),
+    "sss": ("psu", "sea surface salinity"),
+    "tair": ("K", "air temperature at 2 m"),
+    "tsfc": ("K", "snow/ice surface temperature"),
+    "hi": ("m", "grid-cell mean ice thickness"),
+    "hs": ("m", "grid-cell mean snow thickness"),
+    "sice": ("psu", "bulk ice salinity"),
+    "uocn": ("m/s", "ocean current (x)"),
+    "vocn": ("m/s", "ocean current (y)"),
+    "uatm": ("m/s", "wind velocity (x)"),
+    "vatm": ("m/s", "wind velocity (y)"),
+    "qref": ("kg/kg", "2 m reference specific humidity"),
+    "flwdn": ("W/m^2", "downward longwave flux"),
+    "fswdn": ("W/m^2", "downward shortwave flux"),
+}
+AICE_FORMULA = (
+    "aice = sigmoid(2.5 tanh((271.85 - sst) / 1.5) + 1.5 tanh(hi - 0.5) - 0.06 (tair - 258.15) "
+    "+ 0.5 tanh(0.1 (uatm + vatm)) - 0.003 (fswdn - 100) + 0.3 sin(4 hs)) + N(0, noise_sigma^2)"
+)
+
+
+def clean_aice(f: dict[str, np.ndarray]) -> np.ndarray:
+    """The noise-free ice concentration of the generated files (AICE_FORMULA without the noise)."""
+    z = (
+        2.5 * np.tanh((271.85 - f["sst"]) / 1.5)
+        + 1.5 * np.tanh(f["hi"] - 0.5)
+        - 0.06 * (f["tair"] - 258.15)
+        + 0.5 * np.tanh(0.1 * (f["uatm"] + f["vatm"]))
+        - 0.003 * (f["fswdn"] - 100.0)
+        + 0.3 * np.sin(4.0 * f["hs"])
+    )
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _smooth_fields(rng, lat, lon, count: int, modes: int = 6) -> np.ndarray:
+    """`count` smooth random fields of unit scale on the grid (sums of random planar waves), plus a little
+    per-cell noise so that neighbouring cells differ."""
+    out = np.zeros((count, *lat.shape))
+    phi, lam = np.deg2rad(lat), np.deg2rad(lon)
+    for k in range(count):
+        for _ in range(modes):
+            m, n = rng.integers(1, 6), rng.integers(1, 6)
+            out[k] += np.sin(m * phi * 2 + rng.uniform(0, 2 * np.pi)) * np.cos(n * lam + rng.uniform(0, 2 * np.pi))
+        out[k] = out[k] / np.sqrt(modes / 4) + 0.3 * rng.standard_normal(lat.shape)
+    return out
+
+
+def synthesize(
+    out: Path | str, seed: int = 0, nlat: int = 180, nlon: int = 360, sigma: float = 0.05, land_fraction: float = 0.25
+) -> Path:
+    """Write a CICE-like netCDF file (dims time=1, nj, ni; TLAT/TLON/tmask) with the 14 input fields and aice."""
+    import xarray as xr
+    from tqdm.auto import tqdm
+
+    out = Path(out).expanduser()
+    rng = np.random.default_rng(seed)
+    lat1 = (np.arange(nlat) + 0.5) * 180.0 / nlat - 90.0
+    lon1 = (np.arange(nlon) + 0.5) * 360.0 / nlon
+    lat, lon = np.meshgrid(lat1, lon1, indexing="ij")
+    s = _smooth_fields(rng, lat, lon, 15)
+    polar = np.clip((np.abs(lat) - 40.0) / 50.0, 0.0, 1.0)  # 0 at 40 degrees, 1 at the poles
+    f: dict[str, np.ndarray] = {}
+    f["sst"] = np.maximum(271.35 + 10.0 * (1 - polar) ** 2 + 0.8 * s[0], 271.2)
+    f["sss"] = 33.0 + 1.0 * s[1]
+    f["tair"] = 280.0 - 30.0 * polar + 5.0 * s[2]
+    f["tsfc"] = np.minimum(f["tair"] + 2.0 * s[3], 273.15)
+    f["hi"] = 2.5 * polar * np.exp(0.4 * s[4])
+    f["hs"] = 0.15 * f["hi"] * np.exp(0.3 * s[5])
+    f["sice"] = np.clip(4.0 + 1.5 * s[6], 0.5, None)
+    f["uocn"], f["vocn"] = 0.1 * s[7], 0.1 * s[8]
+    f["uatm"], f["vatm"] = 6.0 * s[9], 6.0 * s[10]
+    f["qref"] = 3.8e-3 * np.exp(0.07 * (f["tair"] - 273.15)) * (0.8 + 0.1 * s[11])
+    f["flwdn"] = 0.7 * 5.67e-8 * f["tair"] ** 4 + 15.0 * s[12]
+    f["fswdn"] = np.maximum(250.0 * (1 - 0.8 * polar) + 40.0 * s[13], 0.0)
+    aice = clean_aice(f) + sigma * rng.standard_normal(lat.shape)
+    ocean = s[14] > np.quantile(s[14], land_fraction)
+    variables = {}
+    dims = ("time", "nj", "ni")
+    for name in tqdm([*FIELDS, "aice"], desc="fields", unit="field", leave=False):
+        values = aice if name == "aice" else f[name]
+        values = np.where(ocean, values, np.nan).astype(np.float32)[None]
+        units, long_name = FIELDS.get(name, ("1", "ice area (aggregate)"))
+        variables[name] = xr.Variable(dims, values, {"units": units, "long_name": long_name})
+    variables["tmask"] = xr.Variable(("nj", "ni"), ocean.astype(np.float32), {"long_name": "ocean grid mask"})
+    variables["TLAT"] = xr.Variable(("nj", "ni"), lat.astype(np.float32), {"units": "degrees_north"})
+    variables["TLON"] = xr.Variable(("nj", "ni"), lon.astype(np.float32), {"units": "degrees_east"})
+    ds = xr.Dataset(variables, coords={"time": ("time", np.array([0.0]), {"units": "days since 2021-01-01"})})
+    ds.attrs.update(
+        {
+            "title": "synthetic GDAS-like CICE/MOM6 fields for the UFS sea-ice emulator",
+            "noise_sigma": float(sigma),
+            "aice_formula": AICE_FORMULA,
+            "seed": int(seed),
+            "generator": "python -m toolkit.data.ufs synth",
+        }
+    )
+    encoding = {name: {"_FillValue": np.float32(1e30)} for name in [*FIELDS, "aice"]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    ds.to_netcdf(partial, engine="netcdf4", encoding=encoding)
+    partial.replace(out)  # a reader never sees half a file
+    return out
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m toolkit.data.ufs", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    synth = commands.add_parser("synth", help="write a GDAS-like netCDF file with a known noise floor")
+    synth.add_argument("--out", type=Path, required=True, help="netCDF file to write")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--nlat", type=int, default=180, help="grid rows (latitudes)")
+    synth.add_argument("--nlon", type=int, default=360, help="grid columns (longitudes)")
+    synth.add_argument("--sigma", type=float, default=0.05, help="standard deviation of the noise added to aice")
+    args = parser.parse_args(argv)
+    if args.nlat < 2 or args.nlon < 2:
+        raise UsageError(f"--nlat {args.nlat} / --nlon {args.nlon}: the grid needs at least 2 x 2 cells")
+    if not (args.sigma >= 0 and math.isfinite(args.sigma)):
+        raise UsageError(f"--sigma {args.sigma} is invalid; give a finite standard deviation >= 0")
+    if args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/gdas-like.nc")
+    path = synthesize(args.out, seed=args.seed, nlat=args.nlat, nlon=args.nlon, sigma=args.sigma)
+    print(f"wrote {path}: {args.nlat} x {args.nlon} grid, 14 inputs and aice (noise sigma {args.sigma})")
+
+
+if __name__ == "__main__":
+    main()

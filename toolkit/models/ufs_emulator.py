@@ -1,0 +1,98 @@
+"""The UFS sea-ice emulator: an MLP from the local ocean/atmosphere state to sea-ice quantities (seeds 000/001).
+
+    model = UfsEmulator(input_mean, input_std, output_mean, output_std, hidden=64, layers=3)
+    z = model.normalise_inputs(x)        # physical -> normalised (float64 arithmetic, the network's dtype)
+    model(z)                             # the network: normalised inputs -> normalised outputs (what is trained)
+    model.predict(x)                     # physical units in and out
+    model.jacobian(x)                    # d outputs / d inputs in physical units, [n, outputs, inputs]
+    torch.jit.script(PhysicalEmulator(model))   # TorchScript module whose forward is predict()
+
+The normalisation statistics are float64 buffers of the model, so a saved model (safetensors, TorchScript) predicts
+in physical units by itself; normalising in float64 keeps the digits of large-mean fields (temperatures in K,
+float32 ulp 3e-5 at 273 K) that a float32 subtraction would round away.
+"""
+
+import torch
+from torch import nn
+
+
+class UfsEmulator(nn.Module):
+    def __init__(
+        self,
+        input_mean: torch.Tensor,
+        input_std: torch.Tensor,
+        output_mean: torch.Tensor,
+        output_std: torch.Tensor,
+        hidden: int = 64,
+        layers: int = 3,
+    ):
+        super().__init__()
+        n_in, n_out = len(input_mean), len(output_mean)
+        self.register_buffer("input_mean", torch.as_tensor(input_mean, dtype=torch.float64).clone())
+        self.register_buffer("input_std", torch.as_tensor(input_std, dtype=torch.float64).clone())
+        self.register_buffer("output_mean", torch.as_tensor(output_mean, dtype=torch.float64).clone())
+        self.register_buffer("output_std", torch.as_tensor(output_std, dtype=torch.float64).clone())
+        widths = [n_in, *[hidden] * layers]
+        blocks: list[nn.Module] = []
+        for a, b in zip(widths[:-1], widths[1:], strict=True):
+            blocks += [nn.Linear(a, b), nn.GELU()]
+        blocks.append(nn.Linear(widths[-1], n_out))
+        self.net = nn.Sequential(*blocks)
+        for module in self.net:
+            if isinstance(module, nn.Linear):  # the reference emulator's initialisation
+                nn.init.xavier_normal_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Normalised inputs [n, inputs] -> normalised outputs [n, outputs]."""
+        return self.net(z)
+
+    def normalise_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical -> normalised, computed in float64, returned in the network's dtype."""
+        return ((x.double() - self.input_mean) / self.input_std).to(self.net[0].weight.dtype)
+
+    def normalise_outputs(self, y: torch.Tensor) -> torch.Tensor:
+        return ((y.double() - self.output_mean) / self.output_std).to(self.net[0].weight.dtype)
+
+    def to_physical_outputs(self, out: torch.Tensor) -> torch.Tensor:
+        return out.double() * self.output_std + self.output_mean
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical inputs [n, inputs] -> physical outputs [n, outputs] (float64)."""
+        return self.to_physical_outputs(self(self.normalise_inputs(x)))
+
+    def jacobian(self, x: torch.Tensor) -> torch.Tensor:
+        """d outputs / d inputs in physical units, [n, outputs, inputs] (float64): the network's Jacobian in
+        normalised space scaled by output_std / input_std (the chain rule through the normalisation)."""
+        z = self.normalise_inputs(x).detach()
+
+        def one(row):
+            return self(row.unsqueeze(0)).squeeze(0)
+
+        normalised = torch.func.vmap(torch.func.jacrev(one))(z).double()  # [n, outputs, inputs]
+        return normalised * self.output_std[:, None] / self.input_std[None, :]
+
+
+class PhysicalEmulator(nn.Module):
+    """The exported form: forward(x) = predict(x), physical units in and out (float64), names as attributes."""
+
+    input_names: list[str]
+    output_names: list[str]
+
+    def __init__(self, model: UfsEmulator, input_names: list[str], output_names: list[str]):
+        super().__init__()
+        self.model = model
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        for parameter in self.parameters():  # an inference module: no autograd graph in its outputs
+            parameter.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.predict(x)
+
+
+def from_run_config(config: dict) -> UfsEmulator:
+    """An untrained model shaped as a run's config.json says (statistics placeholders; load the weights next)."""
+    n_in, n_out = len(config["inputs"]), len(config["outputs"])
+    ones_in, ones_out = torch.ones(n_in, dtype=torch.float64), torch.ones(n_out, dtype=torch.float64)
+    return UfsEmulator(ones_in * 0, ones_in, ones_out * 0, ones_out, hidden=config["hidden"], layers=config["layers"])
