@@ -176,7 +176,7 @@ def prepare_traffic(data: Path, cache_dir: Path) -> tuple[datasets.Dataset, dict
         interval = (stamps[1] - stamps[0]).total_seconds()
         since_midnight = (stamps - stamps.normalize()).total_seconds().to_numpy()
         per_week = int(round(7 * 86400 / interval))
-        slot = ((stamps.dayofweek.to_numpy() * 86400 + since_midnight) // interval).astype(np.int64) % per_week
+        slot = ((stamps.day_of_week.to_numpy() * 86400 + since_midnight) // interval).astype(np.int64) % per_week
         speeds = frame.to_numpy(dtype=np.float32)
         ds = datasets.Dataset.from_dict(
             {

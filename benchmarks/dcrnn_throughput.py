@@ -1,0 +1,98 @@
+"""Training throughput of the DCRNN recipe in windows per second: 1 and 2 CPU processes side by side, and 1 GPU
+where CUDA exists.
+
+    python benchmarks/dcrnn_throughput.py [--steps 20] [--rounds 2] [--data DIR] [recipe flags...]
+
+Runs the real recipe through `accelerate launch` (accelerate_configs/cpu.yaml, cpu_2proc.yaml; 1gpu.yaml when a GPU
+is present), alternating the configurations round by round because this machine is shared and noisy, and reports the
+median. Each run trains 2 x --steps optimizer steps with one evaluation after the first --steps: the second
+metrics.csv row times steady-state training only (the first holds the warm-up). Without --data a generated
+50-sensor, 28-day network (the CPU preset's data) is written to a temporary directory. The global batch is the
+same for every configuration (the recipe's --batch-size, 64 by default), split over the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from toolkit.data.traffic import generate, write_dataset  # noqa: E402
+
+
+def run_once(config: str, data: Path, steps: int, flags: list[str], workdir: Path, index: int) -> tuple[float, str]:
+    out = workdir / f"{Path(config).stem}-{index}"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        "--main_process_port",
+        "0",
+        str(ROOT / "recipes" / "dcrnn.py"),
+        "--data",
+        str(data),
+        "--cache-dir",
+        str(workdir / "cache"),
+        "--max-steps",
+        str(2 * steps),
+        "--eval-every-steps",
+        str(steps),
+        "--log-with",
+        "none",
+        "--output-dir",
+        str(out),
+        *flags,
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TQDM_DISABLE": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{config} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    return float(rows[-1]["throughput_samples_per_sec"]), rows[-1]["world_size"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="steps timed per run (after as many warm-up steps)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every configuration once")
+    parser.add_argument("--data", type=Path, default=None, help="traffic data directory (default: generated)")
+    known, recipe_flags = parser.parse_known_args()
+    workdir = Path(tempfile.mkdtemp(prefix="dcrnn-throughput-"))
+    data = known.data
+    if data is None:
+        data = workdir / "synth-50"
+        write_dataset(data, *generate(sensors=50, days=28, seed=0, progress=False))
+
+    import torch
+
+    configs = ["cpu.yaml", "cpu_2proc.yaml"] + (["1gpu.yaml"] if torch.cuda.is_available() else [])
+    results: dict[str, list[float]] = {config: [] for config in configs}
+    for round_ in range(known.rounds):
+        for config in configs:
+            rate, world = run_once(config, data, known.steps, recipe_flags, workdir, round_)
+            results[config].append(rate)
+            print(f"round {round_ + 1}: {config:15s} world size {world}: {rate:8.1f} windows/s", flush=True)
+    print(
+        f"\nmedian training throughput over {known.rounds} round(s), {known.steps} timed steps each "
+        f"(recipe flags: {' '.join(recipe_flags) or 'defaults'}):"
+    )
+    for config, rates in results.items():
+        print(f"  {config:15s} {statistics.median(rates):8.1f} windows/s")
+    one, two = statistics.median(results["cpu.yaml"]), statistics.median(results["cpu_2proc.yaml"])
+    print(f"  2 processes / 1 process = {two / one:.2f}x")
+    if "1gpu.yaml" not in results:
+        print("  1 GPU: not measured: no GPU lent (CUDA is not available on this machine)")
+
+
+if __name__ == "__main__":
+    main()

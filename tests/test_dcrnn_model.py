@@ -1,0 +1,109 @@
+"""The DCRNN model: random-walk supports, diffusion convolution against a direct computation, the graph's
+locality, scheduled sampling (decay and rank-free coins), shapes and a few training steps."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit.models.dcrnn import DCRNN, DiffusionConv, random_walk_supports, sampling_probability
+from toolkit.randomness import keyed_uniform
+
+# Tiny tensors: one thread (on a busy 2-core machine more threads mostly wait for each other).
+torch.set_num_threads(1)
+CHAIN = np.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.8], [0.2, 0.0, 1.0]])  # a directed 3-node graph
+
+
+def test_dual_random_walk_supports_against_hand_computed_matrices():
+    forward, backward = random_walk_supports(CHAIN).double()
+    out_degree = CHAIN.sum(axis=1, keepdims=True)
+    in_degree = CHAIN.sum(axis=0, keepdims=True)
+    assert np.allclose(forward.numpy(), (CHAIN / out_degree).T, atol=1e-7)  # D_out^-1 A, transposed (gather)
+    assert np.allclose(backward.numpy(), (CHAIN.T / in_degree.T).T, atol=1e-7)  # D_in^-1 A^T, transposed
+    assert torch.allclose(forward.sum(dim=0), torch.ones(3, dtype=torch.float64))  # each walk row sums to 1
+    isolated = random_walk_supports(np.zeros((2, 2)))
+    assert torch.equal(isolated, torch.zeros(2, 2, 2))  # no degree: no walk, no division by zero
+
+
+def test_diffusion_convolution_matches_the_direct_sum_over_supports_and_steps():
+    torch.manual_seed(0)
+    supports = random_walk_supports(CHAIN)
+    conv = DiffusionConv(supports, in_features=4, out_features=5, steps=2, bias_start=0.0)
+    x = torch.randn(3, 7, 4)  # [N, B, F]
+    # by hand: for each support S: S x, 2 S (S x) - x (the reference code's recurrence), features ordered by matrix
+    diffused = [x]
+    for s in supports:
+        first = torch.einsum("nm,mbf->nbf", s, x)
+        diffused += [first, 2 * torch.einsum("nm,mbf->nbf", s, first) - x]
+    expected = torch.cat(diffused, dim=-1) @ conv.linear.weight.T + conv.linear.bias
+    assert torch.allclose(conv(x), expected, atol=1e-5)
+    assert conv.linear.in_features == 4 * (2 * 2 + 1)
+
+
+def test_an_unconnected_sensor_is_not_affected_by_the_others():
+    adjacency = np.eye(4)
+    adjacency[1, 2] = adjacency[2, 3] = adjacency[3, 1] = 0.7  # sensors 1-3 connected, sensor 0 alone
+    torch.manual_seed(0)
+    model = DCRNN(adjacency, units=8, layers=2, diffusion_steps=2).eval()
+    x = torch.randn(2, 12, 4, 2)
+    changed = x.clone()
+    changed[:, :, 3] += 3.0  # perturb sensor 3
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    assert a.shape == (2, 12, 4)
+    assert torch.equal(a[:, :, 0], b[:, :, 0])  # sensor 0 cannot see it
+    assert (a[:, :, 1] - b[:, :, 1]).abs().max() > 1e-4  # its neighbours do
+
+
+def test_scheduled_sampling_feeds_the_truth_only_where_the_coin_says():
+    torch.manual_seed(1)
+    model = DCRNN(CHAIN, units=8, layers=1).eval()
+    x = torch.randn(3, 12, 3, 2)
+    truth = torch.randn(3, 12, 3)
+    never = torch.zeros(3, 12, dtype=torch.bool)
+    with torch.no_grad():
+        free = model(x)
+        assert torch.equal(model(x, truth, never), free)  # no coin: the decoder feeds back its own predictions
+        coins = never.clone()
+        coins[1, 4] = True  # sample 1 gets the truth after decoder step 4
+        forced = model(x, truth, coins)
+    assert torch.equal(forced[[0, 2]], free[[0, 2]])
+    assert torch.equal(forced[1, :5], free[1, :5]) and not torch.equal(forced[1, 5], free[1, 5])
+
+
+def test_inverse_sigmoid_decay():
+    k = 2000
+    assert sampling_probability(0, k) == pytest.approx(k / (k + 1))
+    assert sampling_probability(10 * k, k) == pytest.approx(k / (k + math.exp(10)))
+    values = [sampling_probability(s, k) for s in range(0, 40000, 1000)]
+    assert all(a > b for a, b in zip(values, values[1:], strict=False)) and values[-1] < 1e-3
+    assert sampling_probability(5, 0) == 0.0  # no scheduled sampling: never the truth
+    assert sampling_probability(10**9, 1.0) < 1e-300  # no overflow
+
+
+def test_coins_of_a_window_do_not_depend_on_which_rank_holds_it():
+    windows = torch.arange(100, 164)
+    horizon = torch.arange(12)[None, :]
+    whole = keyed_uniform(0, 3, 17, windows[:, None], horizon)
+    halves = [keyed_uniform(0, 3, 17, part[:, None], horizon) for part in windows.chunk(2)]
+    assert torch.equal(torch.cat(halves), whole)
+    assert not torch.equal(whole, keyed_uniform(0, 3, 18, windows[:, None], horizon))  # new coins every step
+
+
+def test_a_few_adam_steps_lower_the_error():
+    torch.manual_seed(0)
+    model = DCRNN(CHAIN, units=8, layers=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+    t = torch.arange(24.0)
+    series = torch.sin(t / 4)[None, :, None].expand(8, 24, 3) + 0.1 * torch.arange(8.0)[:, None, None]
+    x = torch.stack([series[:, :12], torch.zeros(8, 12, 3)], dim=-1)
+    y = series[:, 12:]
+    losses = []
+    for _ in range(30):
+        loss = (model(x) - y).abs().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -1,0 +1,256 @@
+"""Traffic data: the real file formats round trip, missing readings are zeros and masked, windows stay inside their
+part of the timeline, the scaler sees only training inputs, the baselines and masked metrics match hand-computed
+values, and bad files are one-line errors naming the file."""
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from toolkit.data.traffic import (
+    INPUT_STEPS,
+    OUTPUT_STEPS,
+    baseline_forecasts,
+    generate,
+    historical_average,
+    horizon_metrics,
+    minimum_timesteps,
+    prepare_traffic,
+    split_windows,
+    write_dataset,
+)
+from toolkit.errors import UsageError
+from toolkit.metrics import masked_error_sums
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth")
+    frame, ids, adjacency = generate(sensors=12, days=8, seed=3, progress=False)
+    write_dataset(out, frame, ids, adjacency)
+    return out, frame, ids, adjacency
+
+
+def test_round_trip_through_both_files_in_the_real_formats(generated, tmp_path):
+    out, frame, ids, adjacency = generated
+    # what users have: pandas HDF5 under key "df", and a pickle of [sensor_ids, id_to_index, matrix]
+    stored = pd.read_hdf(out / "metr-la.h5", key="df")
+    pd.testing.assert_frame_equal(stored, frame)
+    assert (
+        isinstance(stored.index, pd.DatetimeIndex)
+        and (stored.index[1:] - stored.index[:-1] == pd.Timedelta("5min")).all()
+    )
+    with open(out / "adj_mx.pkl", "rb") as handle:
+        sensor_ids, id_to_index, matrix = pickle.load(handle, encoding="latin1")
+    assert sensor_ids == ids and id_to_index == {s: i for i, s in enumerate(ids)}
+    assert matrix.shape == (12, 12) and np.allclose(np.diag(matrix), 1.0)
+    assert ((matrix == 0) | (matrix >= 0.1)).all()  # Gaussian kernel with weights below 0.1 cut
+    ds, meta = prepare_traffic(out, tmp_path / "cache")
+    table = ds.with_format("numpy")[:]
+    assert np.array_equal(table["speed"], frame.to_numpy(dtype=np.float32))
+    assert meta["sensor_ids"] == ids and np.allclose(meta["adjacency"], matrix)
+    assert meta["interval_minutes"] == 5 and meta["num_timesteps"] == 8 * 288
+    # time of day and slot of the week from the timestamps (2012-03-01 was a Thursday: day 3)
+    assert table["time_of_day"][1] == pytest.approx(5 / 1440) and table["slot_of_week"][0] == 3 * 288
+    again, meta_again = prepare_traffic(out, tmp_path / "cache")  # from the cache now
+    assert meta_again["fingerprint"] == meta["fingerprint"]
+    assert np.array_equal(again.with_format("numpy")["speed"], table["speed"])
+
+
+def test_adjacency_is_reordered_to_the_tables_columns(generated, tmp_path):
+    out, frame, ids, adjacency = generated
+    shuffled = tmp_path / "shuffled"
+    shuffled.mkdir()
+    (shuffled / "metr-la.h5").write_bytes((out / "metr-la.h5").read_bytes())
+    order = np.random.default_rng(0).permutation(len(ids))
+    with open(shuffled / "adj_mx.pkl", "wb") as handle:  # the same graph, listed in another sensor order
+        pickle.dump(
+            [[ids[i] for i in order], {ids[i]: k for k, i in enumerate(order)}, adjacency[np.ix_(order, order)]], handle
+        )
+    _, meta = prepare_traffic(shuffled, tmp_path / "cache")
+    assert np.allclose(meta["adjacency"], adjacency)
+
+
+def test_generator_is_deterministic_and_plausible():
+    a, ids_a, adj_a = generate(sensors=20, days=14, seed=7, progress=False)
+    b, ids_b, adj_b = generate(sensors=20, days=14, seed=7, progress=False)
+    c, _, _ = generate(sensors=20, days=14, seed=8, progress=False)
+    pd.testing.assert_frame_equal(a, b)
+    assert ids_a == ids_b and np.array_equal(adj_a, adj_b)
+    assert not a.equals(c)
+    speeds = a.to_numpy()
+    missing = speeds == 0
+    assert 0.04 < missing.mean() < 0.13  # METR-LA: 8.1% zeros
+    assert not np.isnan(speeds).any() and speeds.max() <= 75
+    # rush hour: weekday 7:30-9:00 is slower than 2:00-4:00 (readings only)
+    hour = a.index.hour + a.index.minute / 60
+    weekday = a.index.day_of_week < 5
+    observed = np.where(missing, np.nan, speeds)
+    rush = np.nanmean(observed[weekday & (hour >= 7.5) & (hour < 9)])
+    night = np.nanmean(observed[weekday & (hour >= 2) & (hour < 4)])
+    assert rush < night - 2, (rush, night)
+
+
+def test_missing_readings_are_zeros_and_left_out_of_the_metrics(generated, tmp_path):
+    out, frame, _, _ = generated
+    ds, meta = prepare_traffic(out, tmp_path / "cache")
+    speed = ds.with_format("torch")[:]["speed"]
+    zeros = speed == 0
+    assert meta["missing_fraction"] == pytest.approx(zeros.float().mean().item())
+    assert 0.03 < meta["missing_fraction"] < 0.15
+    # a forecast that is wrong ONLY where readings are missing has no error at all
+    forecast = torch.where(zeros, torch.full_like(speed, 99.0), speed)
+    sums = masked_error_sums(forecast, speed)
+    assert sums[0].item() == 0 and sums[3].item() == (~zeros).sum().item()
+
+
+def test_masked_horizon_metrics_against_hand_computed_values():
+    # 1 window, 12 horizons, 2 sensors; horizon 3 (index 2): errors 2 (target 40) and a missing reading (target 0)
+    target = torch.full((1, OUTPUT_STEPS, 2), 50.0)
+    prediction = target.clone()
+    target[0, 2] = torch.tensor([40.0, 0.0])
+    prediction[0, 2] = torch.tensor([42.0, 13.0])
+    target[0, 11] = torch.tensor([20.0, 25.0])  # horizon 12: errors 5 and -5
+    prediction[0, 11] = torch.tensor([25.0, 20.0])
+    metrics = horizon_metrics(masked_error_sums(prediction, target, keep_dims=1), "test", interval_minutes=5)
+    assert metrics["test_mae@15min"] == pytest.approx(2.0)  # the missing reading does not count: 2 / 1
+    assert metrics["test_rmse@15min"] == pytest.approx(2.0)
+    assert metrics["test_mape@15min"] == pytest.approx(2 / 40)
+    assert metrics["test_mae@30min"] == 0.0
+    assert metrics["test_mae@60min"] == pytest.approx(5.0) and metrics["test_rmse@60min"] == pytest.approx(5.0)
+    assert metrics["test_mape@60min"] == pytest.approx((5 / 20 + 5 / 25) / 2)
+    assert metrics["test_mae"] == pytest.approx((2 + 10) / 23)  # 24 readings, one missing
+    assert metrics["test_rmse"] == pytest.approx(((4 + 50) / 23) ** 0.5)
+
+
+def test_no_window_crosses_a_split_boundary_and_the_scaler_sees_training_inputs_only(generated, tmp_path):
+    out, frame, _, _ = generated
+    ds, _ = prepare_traffic(out, tmp_path / "cache")
+    split = split_windows(ds)
+    begin, train_end, valid_end, end = split.bounds
+    assert (train_end, valid_end, end) == (round(0.7 * end), round(0.7 * end) + round(0.1 * end), len(frame))
+    for part, (lo, hi) in zip(
+        [split.train, split.valid, split.test],
+        [(begin, train_end), (train_end, valid_end), (valid_end, end)],
+        strict=True,
+    ):
+        starts = part.starts
+        assert starts.min() == lo and starts.max() + INPUT_STEPS + OUTPUT_STEPS == hi  # every window that fits
+        assert len(part) == hi - lo - INPUT_STEPS - OUTPUT_STEPS + 1
+        item = part[len(part) - 1]
+        assert item["x"].shape == (INPUT_STEPS, 12, 2) and item["y"].shape == (OUTPUT_STEPS, 12)
+    item = split.test[5]
+    start = int(split.test.starts[5])
+    assert torch.equal(item["y"], torch.tensor(frame.to_numpy(np.float32)[start + 12 : start + 24]))
+    assert torch.allclose(
+        split.scaler.inverse(item["x"][..., 0]), torch.tensor(frame.to_numpy(np.float32)[start : start + 12]), atol=1e-4
+    )
+    # the scaler: readings (not zeros) of the training inputs only; later parts do not move it
+    train_inputs = frame.to_numpy()[: train_end - OUTPUT_STEPS]
+    readings = train_inputs[train_inputs > 0]
+    assert split.scaler.mean == pytest.approx(readings.mean()) and split.scaler.std == pytest.approx(readings.std())
+    changed = frame.copy()
+    changed.iloc[train_end - OUTPUT_STEPS :] = 1.0  # everything after the last training input
+    other = tmp_path / "changed"
+    write_dataset(other, changed, list(frame.columns), np.eye(12))
+    ds2, _ = prepare_traffic(other, tmp_path / "cache")
+    assert split_windows(ds2).scaler == split.scaler
+
+
+def test_baselines_against_hand_computed_forecasts(generated, tmp_path):
+    out, frame, _, _ = generated
+    ds, _ = prepare_traffic(out, tmp_path / "cache")
+    split = split_windows(ds)
+    table = historical_average(split)
+    # the same slot of the week: the mean of the training readings at that slot (zeros left out)
+    train = frame.iloc[: split.bounds[1]]
+    slot = (train.index.day_of_week * 288 + train.index.hour * 12 + train.index.minute // 5).to_numpy()
+    sensor = 4
+    at = slot[100]
+    values = train.to_numpy()[slot == at, sensor]
+    assert table[at, sensor].item() == pytest.approx(values[values > 0].mean())
+    average, last = baseline_forecasts(split, split.test, table)
+    w = 7
+    start = int(split.test.starts[w])
+    inputs = frame.to_numpy()[start : start + INPUT_STEPS, sensor]
+    assert last[w, :, sensor].unique().item() == pytest.approx(inputs[inputs > 0][-1])  # last non-missing reading
+    target_slot = split.slot_of_week[start + INPUT_STEPS + 5]
+    assert average[w, 5, sensor].item() == pytest.approx(table[target_slot, sensor].item())
+
+
+@pytest.mark.parametrize(
+    "case", ["no-time-index", "adjacency-size", "too-few-timesteps", "not-hdf5", "irregular-time", "ids-differ"]
+)
+def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path):
+    out, frame, ids, adjacency = generated
+    bad = tmp_path / "bad"
+    table, graph = frame, (ids, adjacency)
+    if case == "no-time-index":
+        table = frame.reset_index(drop=True)
+    elif case == "adjacency-size":
+        graph = (ids[:-1], adjacency[:-1, :-1])
+    elif case == "too-few-timesteps":
+        table = frame.iloc[: minimum_timesteps() - 1]
+    elif case == "irregular-time":
+        table = frame.drop(frame.index[50])
+    elif case == "ids-differ":
+        graph = (["x" + s for s in ids], adjacency)
+    write_dataset(bad, table, *graph)
+    if case == "not-hdf5":
+        (bad / "metr-la.h5").write_text("sensor,speed\n1,60\n")
+    with pytest.raises(UsageError) as error:
+        prepare_traffic(bad, tmp_path / "cache")
+    message = str(error.value)
+    assert "\n" not in message
+    expected = {
+        "no-time-index": ("metr-la.h5", "no time index"),
+        "adjacency-size": ("adj_mx.pkl", "11 x 11", "12"),
+        "too-few-timesteps": ("metr-la.h5", f"{minimum_timesteps() - 1} timesteps", "at least"),
+        "not-hdf5": ("metr-la.h5", "not a pandas HDF5"),
+        "irregular-time": ("metr-la.h5", "interval"),
+        "ids-differ": ("adj_mx.pkl", "sensor ids"),
+    }[case]
+    for fragment in expected:
+        assert fragment in message, message
+    assert not (tmp_path / "cache" / "processed").exists() or not any(
+        p.name.startswith("traffic-") for p in (tmp_path / "cache" / "processed").iterdir()
+    )
+
+
+def test_synth_command_writes_both_files_and_refuses_bad_flags(tmp_path):
+    out = tmp_path / "synth"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.data.traffic",
+            "synth",
+            "--out",
+            str(out),
+            "--sensors",
+            "5",
+            "--days",
+            "3",
+            "--seed",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "864 timesteps x 5 sensors" in result.stdout
+    expected, _, _ = generate(5, 3, seed=2, progress=False)
+    pd.testing.assert_frame_equal(pd.read_hdf(out / "metr-la.h5", key="df"), expected)
+    bad = subprocess.run(
+        [sys.executable, "-m", "toolkit.data.traffic", "synth", "--out", str(tmp_path / "x"), "--sensors", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --sensors 1 is invalid; give at least 2"]
+    assert not (tmp_path / "x").exists()
