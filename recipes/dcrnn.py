@@ -7,15 +7,15 @@ Runs unchanged on one CPU, several CPU processes (gloo), 1-8 GPUs and several no
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/dcrnn.py --data data/synth-la
     accelerate launch --config_file accelerate_configs/4gpu.yaml recipes/dcrnn.py --preset metr-la --data METR-LA
 
-Features: --data is a directory with a pandas HDF5 speed table (metr-la.h5, timestamps x sensors, mph, 0 = missing)
-and the adjacency pickle adj_mx.pkl ([sensor_ids, id_to_index, matrix]); the timeline is split 70/10/20 in time and
-windows never cross a boundary; inputs are speed (standardised with the training inputs' mean/std) and time of day.
-Encoder-decoder of diffusion-convolution GRU cells (dual random walk, K steps); scheduled sampling with inverse-
-sigmoid decay, the coin of each (window, decoder step) keyed by (seed, step, window), so any process count and any
-resume draw the same coins; gradient clipping; Adam with step decay. Loss and metrics are masked (missing readings
-left out) and in mph after undoing the scaling: MAE, RMSE, MAPE overall and at 15/30/60 minutes, gathered with
-gather_for_metrics. Test metrics of the best-validation checkpoint and the two baselines on the same test windows
-(historical average of the same slot of the week, last observed value) go into summary.json.
+Features: --data is a directory with a pandas HDF5 speed table (metr-la.h5, timestamps x sensors, mph, 0 = missing) and
+the adjacency pickle adj_mx.pkl ([sensor_ids, id_to_index, matrix]); the timeline is split 70/10/20 in time and windows
+never cross a boundary; inputs are speed (standardised with the training inputs' mean/std) and time of day.
+Encoder-decoder of diffusion-convolution GRU cells (dual random walk, K steps); scheduled sampling with inverse-sigmoid
+decay, the coin of each (window, decoder step) keyed by (seed, step, window), so any process count and any resume draw
+the same coins; gradient clipping; Adam with step decay. Loss and metrics are masked (missing readings left out) and in
+mph after undoing the scaling: MAE, RMSE, MAPE overall and at 15/30/60 minutes, gathered with gather_for_metrics. Test
+metrics of the best-validation checkpoint and the two baselines on the same test windows (historical average of the
+same slot of the week, last observed value) go into summary.json.
 Presets (--preset): `cpu` (default: small model, minutes on a laptop CPU) and `metr-la` (the paper's settings: 2 layers
 of 64 units, K=2, batch 64, lr 0.01 decayed x0.1 at epochs 20/30/40/50, clip 5, 100 epochs, decay steps 2000);
 flags given with a preset override its values.
