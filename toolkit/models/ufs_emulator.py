@@ -15,6 +15,8 @@ float32 ulp 3e-5 at 273 K) that a float32 subtraction would round away.
 import torch
 from torch import nn
 
+STATISTICS = ("input_mean", "input_std", "output_mean", "output_std")
+
 
 class UfsEmulator(nn.Module):
     def __init__(
@@ -42,6 +44,14 @@ class UfsEmulator(nn.Module):
             if isinstance(module, nn.Linear):  # the reference emulator's initialisation
                 nn.init.xavier_normal_(module.weight)
                 nn.init.zeros_(module.bias)
+
+    def _apply(self, fn, recurse=True):
+        # .float() / .half() / .to(dtype) cast the weights; the statistics stay float64 (they only move devices).
+        statistics = {name: self._buffers[name] for name in STATISTICS}
+        super()._apply(fn, recurse)
+        for name, before in statistics.items():
+            self._buffers[name] = before.to(device=self._buffers[name].device)
+        return self
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Normalised inputs [n, inputs] -> normalised outputs [n, outputs]."""
