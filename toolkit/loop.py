@@ -444,7 +444,9 @@ class TrainingLoop:
         return summary
 
     def load_weights(self, checkpoint_dir: Path) -> None:
-        state = load_file(str(Path(checkpoint_dir) / "model.safetensors"), device=str(self.accelerator.device))
+        # Read on the CPU; load_state_dict copies onto the model's device. (A multi-process CPU run's device is
+        # "cpu:0", which safetensors refuses as a device name.)
+        state = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
         self.accelerator.unwrap_model(self.model).load_state_dict(state)
 
     @property

@@ -68,6 +68,20 @@ class Run:
         """Print on the main process only."""
         self.accelerator.print(*args, flush=True)
 
+    def write_artifact(self, name: str, write) -> Path:
+        """RUN_DIR/name written by the main process only (a plot, an export): write(path) is called there with a
+        temporary sibling path, renamed to `name` when it returns, so a reader never sees half a file. Compute
+        what it needs on every rank first (gathers are collectives); the other ranks only get the path."""
+        path = self.output_dir / name
+        if self.is_main:
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial{path.suffix}")
+            try:
+                write(partial)
+                partial.replace(path)
+            finally:
+                partial.unlink(missing_ok=True)
+        return path
+
     def describe_data(self, fingerprint: str, **info) -> None:
         """Record what the run trains on (config.json's "data"). On resume, a different fingerprint (another file,
         or the same file changed) is refused: the batches skipped on resume would be the wrong ones."""
