@@ -1,5 +1,6 @@
 """UFS emulator training throughput (patterns/s): one process with 2 threads against 2 gloo processes with 1
-thread each, side by side (the seeds' "threading vs distributed" question), and 1 GPU where CUDA exists.
+thread each, side by side (the seeds' "threading vs distributed" question), with 1 process x 1 thread as the
+baseline, and 1 GPU where CUDA exists.
 
     python benchmarks/ufs_throughput.py [--data FILE] [--steps 300] [--batch-size 1000] [recipe flags...]
 
@@ -71,6 +72,7 @@ def main() -> None:
     env.update({"TQDM_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file"]
     configs = [
+        ("1 process x 1 thread (baseline)", [sys.executable], ["--threads", "1"]),
         ("1 process x 2 threads", [sys.executable], ["--threads", "2"]),
         (
             "2 processes x 1 thread (gloo)",
@@ -95,7 +97,7 @@ def main() -> None:
             print(f"{r['name']:<32} {r['patterns_per_sec']:>12.0f} {100 * r['data_wait']:>9.1f}%")
     if not torch.cuda.is_available():
         print(f"{'1 GPU':<32} not measured: no GPU on this machine (torch.cuda.is_available() is False)")
-    ok = [r for r in results[:2] if "error" not in r]
+    ok = [r for r in results[1:3] if "error" not in r]
     if len(ok) == 2:
         print(f"2 processes / 1 process x 2 threads: {ok[1]['patterns_per_sec'] / ok[0]['patterns_per_sec']:.2f}x")
 
