@@ -160,3 +160,22 @@ def test_non_finite_loss_or_metric_stops_with_one_line_and_keeps_the_good_checkp
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == ["3", "6"] and all("nan" not in r["val_mse"] for r in rows)
     assert "best one (step_6)" in errors[0]
+
+
+def test_every_new_best_between_checkpoints_is_saved(tmp_path):
+    # Evaluations every 2 steps, checkpoints only at epoch ends (every 6 steps): a new best at step 2, 4, 8...
+    # still gets its checkpoint, or load_best() would have nothing to load.
+    out = tmp_path / "run"
+    run_recipe(["--eval-every-steps", "2", "--epochs", "2", "--keep-checkpoints", "20", "--output-dir", str(out)],
+               recipe=TOY)
+    rows = metrics_rows(out)
+    best, new_bests = float("inf"), []
+    for row in rows:
+        if float(row["val_mse"]) < best:
+            best = float(row["val_mse"])
+            new_bests.append(int(row["step"]))
+    assert any(step % 6 for step in new_bests), new_bests  # at least one new best falls between epoch ends
+    saved = {int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")}
+    assert set(new_bests) <= saved, (new_bests, saved)
+    assert saved - set(new_bests) <= {6, 12}  # the others are the epoch ends
+    assert verify_run(out) == []

@@ -79,13 +79,16 @@ class TrainConfig:
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)
 
 
-def parse_config(config_type: type[ConfigT], args: list[str] | None = None, description: str | None = None) -> ConfigT:
-    """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed)."""
+def parse_config(config_type: type[ConfigT], args: list[str] | None = None, description: str | None = None,
+                 default: ConfigT | None = None) -> ConfigT:
+    """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed).
+    default: an instance whose values are the flags' defaults (a preset), instead of the dataclass's own."""
     is_main = os.environ.get("RANK", "0") == "0"
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            config = tyro.cli(config_type, args=args, description=description, console_outputs=is_main)
+            config = tyro.cli(config_type, args=args, description=description, console_outputs=is_main,
+                              default=default)
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             if is_main:

@@ -258,12 +258,14 @@ class TrainingLoop:
             self.stopped = True
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
+        new_best = False
         if cfg.eval_every_steps and self._evaluation_due():
             self._evaluate_and_record()
             if self._agree(stop=self._stop_request is not None)[2]:  # e.g. early stopping decided in evaluate()
                 self._take_stop_request()
-                return
-        if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0:
+                return  # the loop's end saves this step, with the stop reason in it
+            new_best = progress.best_step == progress.global_step  # mid-epoch: load_best() needs its checkpoint
+        if new_best or (cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0):
             self.save()
 
     def _checkpoint_requeue_and_exit(self) -> None:
