@@ -179,3 +179,16 @@ def test_every_new_best_between_checkpoints_is_saved(tmp_path):
     assert set(new_bests) <= saved, (new_bests, saved)
     assert saved - set(new_bests) <= {6, 12}  # the others are the epoch ends
     assert verify_run(out) == []
+
+
+def test_two_processes_load_a_best_checkpoint_older_than_the_last(tmp_path):
+    # lr 1 overshoots after step 3, so the best step (3) is not the last (18): load_best() reads an older checkpoint
+    # on a multi-process CPU run, whose device is 'cpu:0' (safetensors refused that device until load_weights read
+    # on the CPU).
+    out = tmp_path / "run"
+    result = run_recipe([*TOY_ARGS, "--lr", "1.0", "--output-dir", str(out)], recipe=TOY, config="cpu_2proc.yaml")
+    assert ranks_seen(result.stderr) == {(0, 2), (1, 2)}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_step"] == 3 and summary["global_step"] == 18
+    assert "test_mse" in json.dumps(summary)
+    assert verify_run(out) == []
