@@ -1,0 +1,363 @@
+"""HRM, the Hierarchical Reasoning Model, on Sudoku: one training run from a laptop CPU to 8 GPUs.
+
+    python recipes/hrm.py                                            # cpu-small preset, easy generated puzzles
+    python -m toolkit.data.sudoku build --out data/sudoku-gen-1k-aug-1000 --train-puzzles 1000 --aug 1000 \
+        --min-rating 20
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/hrm.py --preset sudoku-1k \
+        --data data/sudoku-gen-1k-aug-1000
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/hrm.py --resume-from auto
+
+Presets (`--preset`): cpu-small (the default: a small model on easy generated puzzles, minutes on 2 cores) and
+sudoku-1k (the paper's settings: global batch 768, lr 1e-4, puzzle-embedding lr 1e-4, weight decay 1.0, warm-up
+2000 steps, 20000 epochs, evaluation every 2000, hidden 512, 4+4 layers, 2x2 cycles, 16 halting steps, on 1000
+hard puzzles x 1000 augmentations). Any flag overrides the preset's value.
+
+Features: the H/L recurrent modules with the one-step gradient and ACT halting by Q-learning with exploration
+(toolkit/models/hrm.py); the carry across batches (halted rows take new puzzles, running rows keep theirs) kept per
+rank in every checkpoint, so a resume is bit-identical; exploration coins keyed by (seed, step, sample), so N
+processes train as one; the sparse puzzle-embedding table updated by SignSGD on the rows of the global batch
+(gathered from every rank, duplicates summed, one update everywhere); AdamATan2 (or SGD) for the weights with a
+linear warm-up; stablemax or softmax cross-entropy. An epoch is one pass over the ORIGINAL training puzzles, each
+seen as one of its augmentations (chosen per epoch), as in the paper. Evaluation runs every puzzle for the maximum
+number of segments and reports exact accuracy (whole puzzles right), blank-cell and all-cell accuracy; training
+logs lm loss, Q losses, accuracies, q-halt accuracy and mean segments of the rows that halted, and the lr, all as
+sums over ranks divided by counts.
+
+Data: --data DIR, a dataset built by `python -m toolkit.data.sudoku build`, or a folder holding the public
+Sudoku-Extreme train.csv and test.csv (converted once into --cache-dir with --train-puzzles, --aug, ...); without
+--data, the preset's generated puzzles are built once into --cache-dir.
+
+Errors (one line, exit 2, before anything is written): a --data that does not exist or is not a Sudoku dataset, a
+CSV row with a wrong-length grid, a character other than 1-9 and '.', an answer that breaks the rules or the
+puzzle (named by file and line); out-of-range numbers; --grad-accum other than 1 (the carry steps every batch);
+a batch larger than the training puzzles; and every shared-flag error (see README).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.data.sudoku import Recipe, load_sudoku, split  # noqa: E402
+from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
+from toolkit.loop import TrainingLoop  # noqa: E402
+from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios  # noqa: E402
+from toolkit.randomness import keyed_hash  # noqa: E402
+from toolkit.run import main_process_first, start_run  # noqa: E402
+from toolkit.tracking import format_table  # noqa: E402
+
+EXPLORATION, AUGMENTATION_PICK = 11, 12  # purposes of keyed randomness
+VOCAB = 11  # 0 pad, 1 blank, 2..10 the digits 1..9
+CELLS = 81
+
+
+@dataclass
+class HRMConfig(TrainConfig):
+    preset: Literal["cpu-small", "sudoku-1k"] = "cpu-small"
+    """Settings to start from; every other flag overrides the preset's value."""
+    data: Path | None = None
+    """A dataset built by `python -m toolkit.data.sudoku build`, or a folder with the Sudoku-Extreme train.csv and
+    test.csv. Default: the preset's generated puzzles, built once into --cache-dir."""
+    cache_dir: Path = Path("~/.cache/accelerate-recipes")
+    """Where generated and converted datasets are kept."""
+    train_puzzles: int = 4000
+    """Original training puzzles (generated data or a CSV folder)."""
+    aug: int = 4
+    """Augmented copies of each training puzzle (digit relabelling, transpose, band/row and stack/column moves)."""
+    val_puzzles: int = 256
+    """Held-out puzzles for validation (other originals than the training ones)."""
+    test_puzzles: int = 512
+    """Held-out puzzles for the final test."""
+    min_rating: int = 0
+    """Keep only puzzles whose rating (the project solver's backtracks) is at least this."""
+    max_blanks: int = 8
+    """Generated puzzles blank at most this many cells (81: as many as uniqueness allows; fewer: easier)."""
+    hidden: int = 64
+    """Hidden size of both modules."""
+    heads: int = 2
+    """Attention heads (hidden must divide by it)."""
+    expansion: float = 4.0
+    """SwiGLU width: 2/3 x expansion x hidden, rounded up to a multiple of 256."""
+    h_layers: int = 1
+    """Blocks of the slow (H) module."""
+    l_layers: int = 1
+    """Blocks of the fast (L) module."""
+    h_cycles: int = 1
+    """H updates per segment."""
+    l_cycles: int = 1
+    """L updates per H update."""
+    halt_max_steps: int = 4
+    """Most segments a puzzle gets (ACT); evaluation always runs this many."""
+    exploration_prob: float = 0.1
+    """Probability that a training puzzle is forced to a random minimum of 2..halt_max_steps segments."""
+    positions: Literal["rope", "learned"] = "rope"
+    """Position encoding: rotary, or a learned table added to the input."""
+    loss: Literal["stablemax", "softmax"] = "stablemax"
+    """Cross-entropy over the digits: stablemax (the paper; float64) or softmax."""
+    optimizer: Literal["adam-atan2", "sgd"] = "adam-atan2"
+    """AdamATan2 with betas (0.9, 0.95) (the paper), or plain SGD (for exactness checks)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the weights."""
+    puzzle_emb_lr: float = 1e-2
+    """Learning rate of the sparse puzzle-embedding table (SignSGD)."""
+    puzzle_emb_weight_decay: float = 0.1
+    """Decoupled weight decay of the puzzle-embedding rows in the batch."""
+    warmup_steps: int = 50
+    """Linear learning-rate warm-up (both optimisers), then constant."""
+    # Shared flags: the cpu-small preset's values.
+    epochs: int = 24
+    batch_size: int = 64
+    lr: float = 2e-3
+    max_grad_norm: float = 1.0
+    eval_every: int = 4
+
+
+PRESETS = {
+    "cpu-small": HRMConfig(),
+    "sudoku-1k": HRMConfig(
+        preset="sudoku-1k", train_puzzles=1000, aug=1000, val_puzzles=100, test_puzzles=1000, min_rating=20,
+        max_blanks=81, hidden=512, heads=8, h_layers=4, l_layers=4, h_cycles=2, l_cycles=2, halt_max_steps=16,
+        weight_decay=1.0, puzzle_emb_lr=1e-4, puzzle_emb_weight_decay=1.0, warmup_steps=2000, epochs=20000,
+        batch_size=768, lr=1e-4, max_grad_norm=0.0, eval_every=2000,
+    ),
+}
+
+
+def chosen_preset(argv: list[str] | None) -> HRMConfig:
+    """The preset named by --preset (the flags are then parsed on top of it); an unknown name is tyro's to report."""
+    argv = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(argv):
+        name = argv[i + 1] if arg == "--preset" and i + 1 < len(argv) else arg.partition("=")[2]
+        if arg.startswith("--preset") and name in PRESETS:
+            return dataclasses.replace(PRESETS[name])
+    return dataclasses.replace(PRESETS["cpu-small"])
+
+
+def check(cfg: HRMConfig) -> None:
+    """Recipe-specific checks, before anything is built."""
+    if cfg.data is not None and not cfg.data.expanduser().exists():
+        raise UsageError(f"--data {cfg.data} does not exist; build one with `python -m toolkit.data.sudoku build "
+                         "--out DIR ...`, give a folder with the Sudoku-Extreme train.csv and test.csv, or omit it")
+    for name in ["hidden", "heads", "h_layers", "l_layers", "h_cycles", "l_cycles", "halt_max_steps"]:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
+        raise UsageError(f"--hidden {cfg.hidden} must divide by --heads {cfg.heads} into an even head size")
+    if not 0 <= cfg.exploration_prob <= 1:
+        raise UsageError(f"--exploration-prob {cfg.exploration_prob} is invalid; it must be in [0, 1]")
+    if not (cfg.expansion > 0 and math.isfinite(cfg.expansion)):
+        raise UsageError(f"--expansion {cfg.expansion} is invalid; it must be a finite number > 0")
+    if not (cfg.puzzle_emb_lr > 0 and math.isfinite(cfg.puzzle_emb_lr)):
+        raise UsageError(f"--puzzle-emb-lr {cfg.puzzle_emb_lr} is invalid; it must be a finite number > 0")
+    for name in ["weight_decay", "puzzle_emb_weight_decay"]:
+        if not 0 <= getattr(cfg, name) < float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be a finite "
+                             "number >= 0")
+    if cfg.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
+    if cfg.grad_accum != 1:
+        raise UsageError(f"--grad-accum {cfg.grad_accum} is not supported by HRM: its carry advances one segment per "
+                         "batch; use --grad-accum 1 and a larger --batch-size")
+    data_recipe(cfg).check()
+
+
+def data_recipe(cfg: HRMConfig) -> Recipe:
+    return Recipe(cfg.train_puzzles, cfg.aug, cfg.val_puzzles, cfg.test_puzzles, cfg.min_rating, cfg.max_blanks,
+                  cfg.seed)
+
+
+class OneAugmentationPerPuzzle(torch.utils.data.Dataset):
+    """Item i = one augmentation of original training puzzle i, picked per epoch by keyed randomness (the same
+    on every rank and after a resume), read from the memory-mapped table."""
+
+    def __init__(self, rows, copies: int, seed: int):
+        self.rows, self.copies, self.seed, self.epoch = rows, copies, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.rows) // self.copies
+
+    def __getitems__(self, puzzles: list[int]) -> list[dict]:
+        puzzles = torch.as_tensor(puzzles)
+        pick = keyed_hash(self.seed, AUGMENTATION_PICK, self.epoch, puzzles) % self.copies
+        columns = self.rows[(puzzles * self.copies + pick).tolist()]
+        return [{name: column[i] for name, column in columns.items()} for i in range(len(puzzles))]
+
+    def __getitem__(self, puzzle: int) -> dict:
+        return self.__getitems__([puzzle])[0]
+
+
+def as_tokens(batch: dict) -> dict:
+    """The model's view of a batch of stored puzzles: tokens 1 = blank, 2..10 = digits."""
+    return {"inputs": batch["question"].long() + 1, "labels": batch["answer"].long() + 1,
+            "puzzle_ids": torch.zeros_like(batch["id"]),  # Sudoku: one shared puzzle embedding (the paper's)
+            "ids": batch["id"].long()}
+
+
+class Carry:
+    """Per-rank checkpoint state: each row's recurrent state, segment count, halted flag and puzzle."""
+
+    def __init__(self):
+        self.state: dict | None = None
+
+    def state_dict(self):
+        return {"state": None if self.state is None else {k: v.cpu() for k, v in self.state.items()}}
+
+    def load_state_dict(self, saved):
+        self.state = saved["state"]
+
+    def on(self, device) -> dict | None:
+        if self.state is not None:
+            self.state = {k: v.to(device) for k, v in self.state.items()}
+        return self.state
+
+
+class MetricSums:
+    """Shared checkpoint state: training sums (over ranks) since the last log line."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+
+    def add(self, sums: dict) -> None:
+        for name, value in sums.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+    def state_dict(self):
+        return {"sums": dict(self.sums)}
+
+    def load_state_dict(self, saved):
+        self.sums = dict(saved["sums"])
+
+
+@exit_on_usage_error
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(HRMConfig, argv, description=__doc__, default=chosen_preset(argv))
+    check(cfg)
+    # The puzzle-embedding table is a buffer updated identically on every rank: DDP must not broadcast it.
+    run = start_run(cfg, recipe="hrm", ddp_kwargs={"broadcast_buffers": False})
+    accelerator = run.accelerator
+
+    # ---- data: built (or converted) once by the main process, memory-mapped by every rank ---------------------
+    stored, meta = main_process_first(
+        run, lambda: load_sudoku(cfg.data, data_recipe(cfg), cfg.cache_dir.expanduser(), progress=run.is_main)
+    )
+    run.describe_data(meta["fingerprint"], source=meta["source"], **meta["puzzles"], aug=meta["aug"])
+    columns = ["id", "question", "answer"]
+    train_set = OneAugmentationPerPuzzle(split(stored, meta, "train").select_columns(columns), 1 + meta["aug"],
+                                         cfg.seed)
+    valid_set = split(stored, meta, "val").select_columns(columns)
+    test_set = split(stored, meta, "test").select_columns(columns)
+    if len(train_set) < cfg.batch_size:
+        raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {len(train_set)} training puzzles (an epoch is "
+                         "one pass over them); use a smaller batch or more --train-puzzles")
+    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
+    valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
+    test_loader = DataLoader(test_set, shuffle=False, **loader_args)
+    run.print(f"data: {meta['puzzles']} puzzles, {meta['aug']} augmentations each for training ({meta['source']})")
+
+    # ---- model and optimisation ----------------------------------------------------------------------------
+    model = HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
+                h_layers=cfg.h_layers, l_layers=cfg.l_layers, h_cycles=cfg.h_cycles, l_cycles=cfg.l_cycles,
+                halt_max_steps=cfg.halt_max_steps, exploration_prob=cfg.exploration_prob, positions=cfg.positions)
+    if cfg.optimizer == "adam-atan2":
+        optimizer = AdamATan2(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def warmup(steps_done: int) -> float:
+        return min(1.0, (steps_done + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, train_loader, valid_loader, test_loader
+    )
+    core = accelerator.unwrap_model(model)
+    puzzle_optimizer = SparseSignSGD(core.puzzle_emb, cfg.puzzle_emb_lr, cfg.puzzle_emb_weight_decay,
+                                     gather=accelerator.gather)
+    run.print(f"model: HRM {cfg.h_layers}+{cfg.l_layers} layers, hidden {cfg.hidden}, {cfg.h_cycles}x{cfg.l_cycles} "
+              f"cycles, at most {cfg.halt_max_steps} segments, {sum(p.numel() for p in core.parameters()):,} "
+              "parameters")
+
+    carry, train_sums = Carry(), MetricSums()
+    loop = TrainingLoop(run, model, train_loader, evaluate=lambda: puzzle_metrics(valid_loader, "val"),
+                        main_metric="val_exact_accuracy", state={"train_sums": train_sums},
+                        rank_state={"carry": carry})
+
+    def puzzle_metrics(loader, prefix):
+        """Every puzzle run for the maximum number of segments; sums over all ranks' puzzles / counts."""
+        sums = torch.zeros(5, dtype=torch.float64)
+        for batch in loader:
+            data = as_tokens(batch)
+            state = core.initial_carry(data)
+            for _ in range(cfg.halt_max_steps):
+                with accelerator.autocast():
+                    outputs = model(state, data)
+                state = outputs["carry"]
+            correct = outputs["logits"].argmax(-1) == data["labels"]
+            blanks = data["inputs"] == 1
+            exact = correct.all(dim=-1)
+            per_puzzle = torch.stack([correct.sum(-1), (correct & blanks).sum(-1), blanks.sum(-1), exact,
+                                      (outputs["q_halt"] >= 0) == exact], dim=1).double()
+            sums += accelerator.gather_for_metrics(per_puzzle).sum(dim=0).cpu()
+        right, blank_right, blanks, exact, q_right = sums.tolist()
+        puzzles = len(loader.dataset)
+        return {f"{prefix}_exact_accuracy": exact / puzzles, f"{prefix}_blank_accuracy": blank_right / max(blanks, 1),
+                f"{prefix}_token_accuracy": right / (puzzles * CELLS), f"{prefix}_q_halt_accuracy": q_right / puzzles,
+                f"{prefix}_puzzles": puzzles}
+
+    # ---- train: one segment per batch; halted rows take new puzzles, the others go on thinking -------------
+    loop.start()
+    for epoch in loop.epochs():
+        train_set.set_epoch(epoch)  # which augmentation of each puzzle this epoch shows
+        model.train()
+        for batch in loop.batches():
+            step = loop.progress.global_step + 1  # the optimizer step this batch makes
+            data = as_tokens(batch)
+            state = carry.on(accelerator.device) or core.initial_carry(data)
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    outputs = model(state, data, explore_key=(cfg.seed, EXPLORATION, step))
+                    loss, sums = act_losses(outputs, cfg.loss)
+                # DDP averages over ranks: this makes the gradient that of (sum over the global batch) / batch size.
+                accelerator.backward(loss * (accelerator.num_processes / cfg.batch_size))
+                if cfg.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                puzzle_optimizer.step(lr=cfg.puzzle_emb_lr * warmup(step - 1))
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                puzzle_optimizer.zero_grad()
+            carry.state = outputs["carry"]
+            totals = torch.stack([loss.detach().double(), *sums.values()]).to(accelerator.device)
+            totals = accelerator.reduce(totals, reduction="sum").cpu()  # every rank's rows
+            train_sums.add(dict(zip(sums, totals[1:].tolist(), strict=True)))
+            if step % cfg.log_every == 0:
+                accelerator.log({**ratios(train_sums.sums), "train/lr": cfg.lr * warmup(step - 1)}, step=step)
+                train_sums.sums.clear()
+            loop.record_loss(totals[0].float() / cfg.batch_size)
+        loop.end_epoch()
+
+    # ---- test: the best validation checkpoint on the held-out puzzles ------------------------------------------
+    loop.load_best()
+    test_metrics = loop.test(lambda: puzzle_metrics(test_loader, "test"))
+    summary = loop.finish()
+    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Sudoku data: generated puzzles have exactly one solution, augmentations keep grids valid and consistent, the
+split is by original puzzle, the Sudoku-Extreme CSV reader round-trips and names bad rows, the store is Arrow."""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from toolkit.data import sudoku
+from toolkit.errors import UsageError
+
+# A valid solved grid; puzzles are made from it by blanking cells.
+SOLUTION = [int(c) for c in
+            "534678912672195348198342567859761423426853791713924856961537284287419635345286179"]
+
+
+def _small_recipe(**changes):
+    values = dict(train_puzzles=6, aug=3, val_puzzles=2, test_puzzles=3, max_blanks=30, seed=5)
+    return sudoku.Recipe(**{**values, **changes})
+
+
+def test_solver_finds_the_unique_solution_and_counts_two_for_an_ambiguous_grid():
+    puzzle = list(SOLUTION)
+    for cell in range(0, 81, 10):  # the diagonal: one blank per row, column and box
+        puzzle[cell] = 0
+    solved = sudoku.solve(puzzle)
+    assert solved.solutions == [SOLUTION]
+    # an empty grid has many solutions: the search stops at the second
+    assert len(sudoku.solve([0] * 81, limit=2).solutions) == 2
+    # Clashing givens: no solution
+    clash = [0] * 81
+    clash[0] = clash[1] = 5
+    assert sudoku.solve(clash).solutions == []
+
+
+def test_generated_puzzles_are_unique_valid_and_respect_blanks_and_rating():
+    rng = random.Random(1)
+    for max_blanks in (10, 40, 81):
+        question, answer, rating = sudoku.generate_puzzle(rng, max_blanks=max_blanks)
+        assert sudoku.is_valid_solution(answer) and sudoku.agrees(question, answer)
+        assert question.count(0) <= max_blanks
+        solved = sudoku.solve(question, limit=2)
+        assert solved.solutions == [answer]  # exactly one solution
+        assert rating == solved.backtracks
+    hard = sudoku.generate_puzzle(random.Random(2), max_blanks=81, min_rating=20)
+    assert hard[2] >= 20 and sudoku.solve(hard[0]).backtracks >= 20
+
+
+def test_augmentations_keep_every_grid_valid_and_consistent():
+    rng = np.random.default_rng(0)
+    question, answer, _ = sudoku.generate_puzzle(random.Random(0), max_blanks=50)
+    question, answer = np.array(question, dtype=np.int8), np.array(answer, dtype=np.int8)
+    seen = set()
+    for _ in range(200):
+        transform = sudoku.random_transform(rng)
+        q, a = sudoku.apply_transform(question, transform), sudoku.apply_transform(answer, transform)
+        assert sudoku.is_valid_solution(a)
+        assert sudoku.agrees(q, a)
+        assert (q == 0).sum() == (question == 0).sum()  # blanks stay blanks
+        assert sudoku.solve(q.tolist(), limit=2).solutions == [a.tolist()]
+        seen.add(a.tobytes())
+    assert len(seen) > 190  # they really differ
+
+
+def test_built_dataset_splits_by_original_puzzle_and_loads_from_arrow(tmp_path):
+    ds, meta = sudoku.cached_dataset(tmp_path, "sudoku-generated", "k", lambda: sudoku.generate(_small_recipe(),
+                                                                                                  progress=False))
+    assert meta["splits"] == {"train": [0, 24], "val": [24, 26], "test": [26, 29]}
+    assert ds.cache_files and ds.cache_files[0]["filename"].endswith(".arrow")  # memory-mapped from disk
+    assert list(ds["id"]) == list(range(29))
+    train, val, test = (sudoku.split(ds, meta, name) for name in ("train", "val", "test"))
+    puzzles = {name: {int(p) for p in part["puzzle"]} for name, part in (("train", train), ("val", val), ("test", test))}
+    assert not puzzles["train"] & puzzles["val"] and not puzzles["train"] & puzzles["test"]
+    assert not puzzles["val"] & puzzles["test"]
+    assert [int(a) for a in train["aug"]] == [0, 1, 2, 3] * 6 and {int(a) for a in test["aug"]} == {0}
+    for row in range(len(ds)):
+        q, a = np.array(ds[row]["question"]), np.array(ds[row]["answer"])
+        assert sudoku.is_valid_solution(a) and sudoku.agrees(q, a)
+    # the original of every training puzzle has exactly one solution, and so has each augmentation
+    for row in range(0, 24, 5):
+        q = list(ds[row]["question"])
+        assert len(sudoku.solve(q, limit=2).solutions) == 1
+
+
+def _write_csv(path, rows, header="source,question,answer,rating"):
+    path.write_text(header + "\n" + "".join(f"{s},{q},{a},{r}\n" for s, q, a, r in rows))
+
+
+def _csv_rows(count, seed):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        question, answer, rating = sudoku.generate_puzzle(rng, max_blanks=30)
+        rows.append((f"src{i}", "".join(str(v) if v else "." for v in question), "".join(map(str, answer)), rating))
+    return rows
+
+
+def test_csv_reader_round_trips_and_builds_the_paper_layout(tmp_path):
+    rows = _csv_rows(12, 3)
+    _write_csv(tmp_path / "train.csv", rows[:9])
+    _write_csv(tmp_path / "test.csv", rows[9:])
+    read = sudoku.read_csv(tmp_path / "train.csv")
+    assert [("".join(str(v) if v else "." for v in q), "".join(map(str, a)), r) for q, a, r in read] == \
+        [(q, a, r) for _, q, a, r in rows[:9]]
+    ds, meta = sudoku.from_csv(tmp_path, sudoku.Recipe(train_puzzles=4, aug=2, val_puzzles=2, test_puzzles=10))
+    assert meta["puzzles"] == {"train": 4, "val": 2, "test": 3}  # all of test.csv when fewer than asked
+    assert len(ds) == 4 * 3 + 2 + 3
+    originals = {tuple(q) for q, _, _ in read}
+    start, stop = meta["splits"]["train"]
+    assert all(tuple(ds[i]["question"]) in originals for i in range(start, stop, 3))  # aug 0 is the original
+
+
+@pytest.mark.parametrize("question, answer, fragment", [
+    ("." * 80, "".join(map(str, SOLUTION)), "question has 80 characters"),
+    ("x" + "." * 80, "".join(map(str, SOLUTION)), "question holds 'x' at column 1"),
+    ("." * 81, "".join(map(str, SOLUTION))[:-1] + "0", "answer holds '0'"),
+    ("." * 81, "11" + "".join(map(str, SOLUTION))[2:], "not a valid Sudoku solution"),
+    ("9" + "." * 80, "".join(map(str, SOLUTION)), "changes a given digit"),
+])
+def test_bad_csv_rows_are_named_by_file_and_line(tmp_path, question, answer, fragment):
+    good = _csv_rows(2, 4)
+    path = tmp_path / "train.csv"
+    _write_csv(path, [*good, ("bad", question, answer, 0)])
+    with pytest.raises(UsageError) as error:
+        sudoku.read_csv(path)
+    assert f"{path} line 4" in str(error.value) and fragment in str(error.value)
+
+
+def test_cli_builds_a_dataset_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "built"
+    command = [sys.executable, "-m", "toolkit.data.sudoku", "build", "--out", str(out), "--train-puzzles", "3",
+               "--aug", "2", "--val-puzzles", "1", "--test-puzzles", "2", "--max-blanks", "20", "--seed", "7"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"] == [0, 9] and meta["recipe"]["seed"] == 7
+    ds, loaded = sudoku.load_built(out)
+    assert loaded == meta and len(ds) == 12
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2
+    assert [line for line in again.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: --out {out} already holds a dataset; choose another directory (nothing is overwritten)"]
+
+
+def test_a_directory_that_is_not_a_dataset_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="is not a Sudoku dataset"):
+        sudoku.load_built(tmp_path)
+    with pytest.raises(UsageError, match="does not exist"):
+        sudoku.load_built(tmp_path / "missing")

@@ -1,0 +1,448 @@
+"""HRM, the Hierarchical Reasoning Model (Wang et al. 2025, arXiv 2506.21734), in plain torch.
+
+Two recurrent transformer modules, L (fast) and H (slow), each a stack of post-norm blocks (RMSNorm without a
+scale, non-causal scaled_dot_product_attention with RoPE or learned positions, SwiGLU, no biases, truncated-normal
+init). One segment runs H_cycles x L_cycles updates, z_L = L(z_L, z_H + x) and z_H = H(z_H, z_L) every L_cycles
+L updates, all without gradient except the last L and H update (the one-step gradient); the state is detached
+between segments (deep supervision). Adaptive computation time (ACT): a Q head on the first position gives
+(q_halt, q_continue); in training a sequence halts when q_halt > q_continue or at halt_max_steps, with exploration
+forcing a random minimum of 2..halt_max_steps segments; in evaluation every sequence runs halt_max_steps.
+
+The carry holds each row's state, segment count, halted flag and data. Halted rows take the new batch's row at
+the same position (their state restarts from the initial state); running rows keep their data and the new batch's
+row there is skipped, as in the reference implementation.
+
+Also here: stablemax cross-entropy (float64), the Q-learning losses (`act_losses`), AdamATan2 and the sparse
+puzzle-embedding table with its SignSGD update (`PuzzleEmbedding`, `SparseSignSGD`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.randomness import keyed_uniform
+
+IGNORE_LABEL = -100
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Normal truncated at +-2 standard deviations, rescaled so the result's std is `std` (as JAX's initialisers;
+    torch's trunc_normal_ with std s gives about 0.88 s)."""
+    scaled = std / 0.87962566103423978
+    with torch.no_grad():
+        return nn.init.trunc_normal_(tensor, mean=0.0, std=scaled, a=-2 * scaled, b=2 * scaled)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer initialised with a truncated normal of std 1/sqrt(fan_in)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(trunc_normal_(torch.empty(out_features, in_features), 1.0 / math.sqrt(in_features)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm without a learned scale, computed in float32."""
+    dtype = x.dtype
+    x = x.float()
+    return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, positions: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, heads, L, head_dim]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos.to(x.dtype) + rotated * self.sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = Linear(hidden, 3 * hidden)
+        self.out = Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.out(attended.transpose(1, 2).reshape(batch, length, hidden))
+
+
+def swiglu_width(hidden: int, expansion: float) -> int:
+    """2/3 of expansion x hidden, rounded up to a multiple of 256 (the reference's choice)."""
+    width = round(expansion * hidden * 2 / 3)
+    return (width + 255) // 256 * 256
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, expansion: float):
+        super().__init__()
+        width = swiglu_width(hidden, expansion)
+        self.gate_up = Linear(hidden, 2 * width)
+        self.down = Linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Post-norm: x = norm(x + attention(x)); x = norm(x + mlp(x))."""
+
+    def __init__(self, hidden: int, heads: int, expansion: float):
+        super().__init__()
+        self.attention = Attention(hidden, heads)
+        self.mlp = SwiGLU(hidden, expansion)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+        x = rms_norm(x + self.attention(x, rotary))
+        return rms_norm(x + self.mlp(x))
+
+
+class ReasoningModule(nn.Module):
+    """A stack of blocks applied to the state plus an injected input."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, expansion: float):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(hidden, heads, expansion) for _ in range(layers)])
+
+    def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+        state = state + injection
+        for block in self.blocks:
+            state = block(state, rotary)
+        return state
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sparse puzzle-embedding table
+# ----------------------------------------------------------------------------------------------------
+
+
+class PuzzleEmbedding(nn.Module):
+    """A table of per-puzzle embeddings (a buffer, zero-initialised), trained only on the rows in the batch.
+
+    In training, forward copies the batch's rows into a leaf tensor that takes the gradient (`batch_rows`, with
+    `batch_ids`); SparseSignSGD reads both. The table is not a Parameter, so DDP neither syncs nor broadcasts it:
+    every rank applies the same update to it (start_run(..., ddp_kwargs={"broadcast_buffers": False}))."""
+
+    def __init__(self, num_ids: int, dim: int):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(num_ids, dim))
+        self.batch_rows: torch.Tensor | None = None
+        self.batch_ids: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table[ids]
+        if self.training and torch.is_grad_enabled():
+            rows = rows.detach().requires_grad_(True)
+            self.batch_rows, self.batch_ids = rows, ids
+        return rows
+
+
+class SparseSignSGD:
+    """SignSGD with decoupled weight decay on the rows of the table present in the global batch:
+    row <- row (1 - lr wd) - lr sign(sum of that row's gradients over every rank's batch).
+
+    The gradients and ids of every rank are gathered (`gather`, Accelerator.gather: rank order), duplicate ids
+    summed, and every rank applies the same update, so N processes equal one process with the same global batch.
+    """
+
+    def __init__(self, embedding: PuzzleEmbedding, lr: float, weight_decay: float, gather=None):
+        self.embedding, self.lr, self.weight_decay = embedding, lr, weight_decay
+        self.gather = gather or (lambda tensor: tensor)
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        lr = self.lr if lr is None else lr
+        rows, ids = self.embedding.batch_rows, self.embedding.batch_ids
+        if rows is None:
+            return
+        grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+        grads, all_ids = self.gather(grad.float().contiguous()), self.gather(ids.contiguous())
+        unique, inverse = torch.unique(all_ids, return_inverse=True)
+        summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype, device=grads.device)
+        summed.index_add_(0, inverse, grads)
+        table = self.embedding.table
+        updated = table[unique] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed).to(table.dtype)
+        table[unique] = updated
+
+    def zero_grad(self) -> None:
+        self.embedding.batch_rows = self.embedding.batch_ids = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# AdamATan2
+# ----------------------------------------------------------------------------------------------------
+
+
+class AdamATan2(torch.optim.Optimizer):
+    """Adam with atan2 in place of the division by sqrt(v) + eps (Everett et al. 2024), as HRM's fused kernel:
+
+        p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+        p <- p - lr atan2(m / (1 - b1^t), sqrt(v / (1 - b2^t)))
+
+    No eps: atan2 is bounded (|update| <= lr pi/2) and scale invariant."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0):
+        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or weight_decay < 0:
+            raise ValueError(f"invalid AdamATan2 settings lr={lr} betas={betas} weight_decay={weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - lr * decay)
+                m.lerp_(p.grad, 1 - beta1)
+                v.lerp_(p.grad.square(), 1 - beta2)
+                m_hat = m / (1 - beta1**step)
+                denom = v.sqrt() / math.sqrt(1 - beta2**step)
+                p.sub_(torch.atan2(m_hat, denom), alpha=lr)
+        return loss
+
+
+# ----------------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------------
+
+
+def stablemax_s(x: torch.Tensor) -> torch.Tensor:
+    """s(x) = 1 / (1 - x) for x < 0, x + 1 otherwise (positive, monotone, linear growth)."""
+    return torch.where(x < 0, 1.0 / (1.0 - x + 1e-30), x + 1.0)
+
+
+def log_stablemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    s = stablemax_s(x)
+    return torch.log(s / s.sum(dim=dim, keepdim=True))
+
+
+def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL):
+    """Per-position -log stablemax(logits)[label] in float64 (0 where label == ignore_index)."""
+    logprobs = log_stablemax(logits.to(torch.float64))
+    valid = labels != ignore_index
+    picked = logprobs.gather(-1, torch.where(valid, labels, 0).to(torch.long).unsqueeze(-1)).squeeze(-1)
+    return -torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL):
+    flat = F.cross_entropy(logits.float().flatten(0, -2), labels.to(torch.long).flatten(),
+                           ignore_index=ignore_index, reduction="none")
+    return flat.view(labels.shape)
+
+
+LOSSES = {"stablemax": stablemax_cross_entropy, "softmax": softmax_cross_entropy}
+
+
+def act_losses(outputs: dict, loss: str = "stablemax") -> tuple[torch.Tensor, dict]:
+    """(loss summed over this rank's rows, {name: local sum}): the lm loss (per-row mean over labelled cells,
+    every row every segment) + 0.5 (BCE(q_halt, row fully correct) + BCE(q_continue, target)); metrics as sums
+    over the rows that halted this segment ("count" of them), so they can be summed over ranks and steps."""
+    labels, logits, halted = outputs["labels"], outputs["logits"], outputs["halted"]
+    mask = labels != IGNORE_LABEL
+    counts = mask.sum(-1)
+    divisor = counts.clamp_min(1).unsqueeze(-1)
+    predicted = logits.argmax(-1)
+    correct = mask & (predicted == labels)
+    row_correct = correct.sum(-1) == counts
+    blanks = outputs["blanks"] & mask
+    lm_loss = (LOSSES[loss](logits, labels) / divisor).sum()
+    q_halt_loss = F.binary_cross_entropy_with_logits(outputs["q_halt"], row_correct.to(outputs["q_halt"].dtype),
+                                                     reduction="sum")
+    q_continue_loss = torch.zeros_like(q_halt_loss)
+    if outputs.get("target_q_continue") is not None:
+        q_continue_loss = F.binary_cross_entropy_with_logits(outputs["q_continue"], outputs["target_q_continue"],
+                                                             reduction="sum")
+    total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
+    valid = halted & (counts > 0)
+    with torch.no_grad():
+        sums = {
+            "rows": torch.tensor(float(len(labels)), device=labels.device),
+            "lm_loss": lm_loss.detach().double(),
+            "q_halt_loss": q_halt_loss.detach().double(),
+            "q_continue_loss": q_continue_loss.detach().double(),
+            "count": valid.sum().double(),
+            "token_correct": torch.where(valid, correct.sum(-1) / divisor.squeeze(-1), 0).sum().double(),
+            "blank_correct": (correct & blanks)[valid].sum().double(),
+            "blank_cells": blanks[valid].sum().double(),
+            "exact_correct": (valid & row_correct).sum().double(),
+            "q_halt_correct": (valid & ((outputs["q_halt"] >= 0) == row_correct)).sum().double(),
+            "segments": torch.where(valid, outputs["steps"], 0).sum().double(),
+        }
+    return total, sums
+
+
+def ratios(sums: dict, prefix: str = "train") -> dict:
+    """Logged metrics from summed counts (over ranks and steps): sums divided by counts."""
+    rows = max(float(sums["rows"]), 1.0)
+    out = {f"{prefix}/lm_loss": float(sums["lm_loss"]) / rows,
+           f"{prefix}/q_halt_loss": float(sums["q_halt_loss"]) / rows,
+           f"{prefix}/q_continue_loss": float(sums["q_continue_loss"]) / rows}
+    count = float(sums["count"])
+    if count > 0:  # nothing halted yet: accuracies are undefined, not 0
+        out.update({
+            f"{prefix}/token_accuracy": float(sums["token_correct"]) / count,
+            f"{prefix}/blank_accuracy": float(sums["blank_correct"]) / max(float(sums["blank_cells"]), 1.0),
+            f"{prefix}/exact_accuracy": float(sums["exact_correct"]) / count,
+            f"{prefix}/q_halt_accuracy": float(sums["q_halt_correct"]) / count,
+            f"{prefix}/mean_segments": float(sums["segments"]) / count,
+        })
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------
+
+
+class HRM(nn.Module):
+    """forward(carry, batch, explore) -> outputs; `initial_carry(batch_size)` makes the first carry.
+
+    batch: {"inputs" [B, seq] tokens, "labels" [B, seq], "puzzle_ids" [B], "ids" [B] sample ids}.
+    explore_key: (seed, purpose, step), training only: each row's exploration coin and forced minimum of
+    2..halt_max_steps segments are keyed_uniform(*explore_key, ..., sample id), the same on any rank.
+    outputs: logits, q_halt, q_continue, target_q_continue (training), steps, halted, labels, blanks and the
+    new carry (all detached), which the caller keeps for the next batch.
+    """
+
+    def __init__(self, vocab: int, seq_len: int, num_puzzle_ids: int = 1, hidden: int = 512, heads: int = 8,
+                 expansion: float = 4.0, h_layers: int = 4, l_layers: int = 4, h_cycles: int = 2, l_cycles: int = 2,
+                 halt_max_steps: int = 16, exploration_prob: float = 0.1, positions: str = "rope"):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        self.seq_len, self.hidden = seq_len, hidden
+        self.h_cycles, self.l_cycles = h_cycles, l_cycles
+        self.halt_max_steps, self.exploration_prob = halt_max_steps, exploration_prob
+        self.puzzle_len = 1  # one puzzle-embedding token prepended (puzzle_emb_ndim = hidden)
+        total = seq_len + self.puzzle_len
+        self.embed_scale = math.sqrt(hidden)
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        trunc_normal_(self.embed_tokens.weight, 1.0 / self.embed_scale)
+        self.puzzle_emb = PuzzleEmbedding(num_puzzle_ids, hidden)
+        if positions == "rope":
+            self.rotary, self.embed_pos = Rotary(hidden // heads, total), None
+        elif positions == "learned":
+            self.rotary = None
+            self.embed_pos = nn.Parameter(trunc_normal_(torch.empty(total, hidden), 1.0 / self.embed_scale))
+        else:
+            raise ValueError(f"positions must be rope or learned, not {positions!r}")
+        self.h_level = ReasoningModule(h_layers, hidden, heads, expansion)
+        self.l_level = ReasoningModule(l_layers, hidden, heads, expansion)
+        self.lm_head = Linear(hidden, vocab)
+        self.q_head = nn.Linear(hidden, 2, bias=True)
+        with torch.no_grad():  # Q starts at sigmoid(-5): "continue" and "halt" both unlikely to be right
+            self.q_head.weight.zero_()
+            self.q_head.bias.fill_(-5.0)
+        self.register_buffer("h_init", trunc_normal_(torch.empty(hidden), 1.0))
+        self.register_buffer("l_init", trunc_normal_(torch.empty(hidden), 1.0))
+
+    # ---- one segment --------------------------------------------------------------------------------------
+    def embed(self, inputs: torch.Tensor, puzzle_ids: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed_tokens(inputs.to(torch.long))
+        puzzle = self.puzzle_emb(puzzle_ids).to(tokens.dtype).view(-1, self.puzzle_len, self.hidden)
+        x = torch.cat([puzzle, tokens], dim=1)
+        if self.embed_pos is not None:
+            x = 0.707106781 * (x + self.embed_pos.to(x.dtype))
+        return self.embed_scale * x
+
+    def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, inputs: torch.Tensor, puzzle_ids: torch.Tensor):
+        """(z_h, z_l, logits [B, seq, vocab], q [B, 2] float32): H_cycles x L_cycles updates, the last L and H
+        update with gradient (one-step gradient)."""
+        x = self.embed(inputs, puzzle_ids)
+        with torch.no_grad():
+            for h in range(self.h_cycles):
+                for l_step in range(self.l_cycles):
+                    if not (h == self.h_cycles - 1 and l_step == self.l_cycles - 1):
+                        z_l = self.l_level(z_l, z_h + x, self.rotary)
+                if h != self.h_cycles - 1:
+                    z_h = self.h_level(z_h, z_l, self.rotary)
+        z_l = self.l_level(z_l, z_h + x, self.rotary)
+        z_h = self.h_level(z_h, z_l, self.rotary)
+        logits = self.lm_head(z_h)[:, self.puzzle_len:]
+        q = self.q_head(z_h[:, 0]).float()
+        return z_h, z_l, logits, q
+
+    # ---- ACT across segments -------------------------------------------------------------------------------
+    def initial_carry(self, batch: dict) -> dict:
+        """Every row halted, so the first batch fills all of them."""
+        rows = len(batch["inputs"])
+        device = batch["inputs"].device
+        state = torch.zeros(rows, self.seq_len + self.puzzle_len, self.hidden, device=device)
+        return {
+            "z_h": state.clone(), "z_l": state.clone(),
+            "steps": torch.zeros(rows, dtype=torch.int32, device=device),
+            "halted": torch.ones(rows, dtype=torch.bool, device=device),
+            **{f"data_{k}": torch.zeros_like(v) for k, v in batch.items()},
+        }
+
+    def forward(self, carry: dict, batch: dict, explore_key: tuple[int, ...] | None = None) -> dict:
+        halted = carry["halted"]
+        rows = halted.view(-1, 1, 1)
+        z_h = torch.where(rows, self.h_init.to(carry["z_h"].dtype), carry["z_h"])
+        z_l = torch.where(rows, self.l_init.to(carry["z_l"].dtype), carry["z_l"])
+        steps = torch.where(halted, 0, carry["steps"])
+        data = {k: torch.where(halted.view(-1, *[1] * (v.dim() - 1)), v, carry[f"data_{k}"])
+                for k, v in batch.items()}
+
+        z_h, z_l, logits, q = self.segment(z_h, z_l, data["inputs"], data["puzzle_ids"])
+        q_halt, q_continue = q[:, 0], q[:, 1]
+        target_q_continue = None
+        with torch.no_grad():
+            steps = steps + 1
+            last = steps >= self.halt_max_steps
+            new_halted = last
+            if self.training and self.halt_max_steps > 1:
+                new_halted = new_halted | (q_halt > q_continue)
+                if explore_key is not None:  # coins of the rows' samples: the same on any rank, any process count
+                    coin = keyed_uniform(*explore_key, 0, data["ids"])
+                    min_steps = 2 + (keyed_uniform(*explore_key, 1, data["ids"]) * (self.halt_max_steps - 1)).long()
+                    minimum = torch.where(coin < self.exploration_prob, min_steps.to(steps.dtype), 0)
+                    new_halted = new_halted & (steps >= minimum)
+                # Q-learning target for "continue": the next segment's value, bootstrapped without a target network
+                _, _, _, next_q = self.segment(z_h, z_l, data["inputs"], data["puzzle_ids"])
+                target_q_continue = torch.sigmoid(torch.where(last, next_q[:, 0], next_q.max(dim=-1).values))
+        new_carry = {"z_h": z_h.detach(), "z_l": z_l.detach(), "steps": steps, "halted": new_halted,
+                     **{f"data_{k}": v for k, v in data.items()}}
+        return {
+            "logits": logits, "q_halt": q_halt, "q_continue": q_continue, "target_q_continue": target_q_continue,
+            "steps": steps, "halted": new_halted, "labels": data["labels"], "blanks": data["inputs"] == 1,
+            "carry": new_carry,
+        }
