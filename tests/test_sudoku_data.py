@@ -73,7 +73,8 @@ def test_built_dataset_splits_by_original_puzzle_and_loads_from_arrow(tmp_path):
     assert ds.cache_files and ds.cache_files[0]["filename"].endswith(".arrow")  # memory-mapped from disk
     assert list(ds["id"]) == list(range(29))
     train, val, test = (sudoku.split(ds, meta, name) for name in ("train", "val", "test"))
-    puzzles = {name: {int(p) for p in part["puzzle"]} for name, part in (("train", train), ("val", val), ("test", test))}
+    parts = {"train": train, "val": val, "test": test}
+    puzzles = {name: {int(p) for p in part["puzzle"]} for name, part in parts.items()}
     assert not puzzles["train"] & puzzles["val"] and not puzzles["train"] & puzzles["test"]
     assert not puzzles["val"] & puzzles["test"]
     assert [int(a) for a in train["aug"]] == [0, 1, 2, 3] * 6 and {int(a) for a in test["aug"]} == {0}
