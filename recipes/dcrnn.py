@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
-from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.traffic import (  # noqa: E402
     OUTPUT_STEPS,
     baseline_metrics,
@@ -125,9 +125,7 @@ def check(cfg: DCRNNConfig) -> None:
             "--data is missing; give a directory with metr-la.h5 and adj_mx.pkl (make one with "
             "`python -m toolkit.data.traffic synth --out data/synth-la --sensors 50 --days 28`)"
         )
-    for name in ["units", "layers", "diffusion_steps"]:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    require_at_least(cfg, 1, "units", "layers", "diffusion_steps")
     if not 0 <= cfg.sampling_decay_steps < float("inf"):
         raise UsageError(
             f"--sampling-decay-steps {cfg.sampling_decay_steps} is invalid; give a finite number >= 0 "

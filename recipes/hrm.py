@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
-from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.sudoku import Recipe, load_sudoku, split  # noqa: E402
 from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
@@ -149,9 +149,7 @@ def check(cfg: HRMConfig) -> None:
     if cfg.data is not None and not cfg.data.expanduser().exists():
         raise UsageError(f"--data {cfg.data} does not exist; build one with `python -m toolkit.data.sudoku build "
                          "--out DIR ...`, give a folder with the Sudoku-Extreme train.csv and test.csv, or omit it")
-    for name in ["hidden", "heads", "h_layers", "l_layers", "h_cycles", "l_cycles", "halt_max_steps"]:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    require_at_least(cfg, 1, "hidden", "heads", "h_layers", "l_layers", "h_cycles", "l_cycles", "halt_max_steps")
     if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
         raise UsageError(f"--hidden {cfg.hidden} must divide by --heads {cfg.heads} into an even head size")
     if not 0 <= cfg.exploration_prob <= 1:

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
-from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens  # noqa: E402
 from toolkit.distributed import global_mean  # noqa: E402
 from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
@@ -100,9 +100,7 @@ def check(cfg: SASRecConfig) -> None:
             f"--data-path {cfg.data_path} does not exist; give MovieLens u.data, ratings.dat or a RecBole .inter "
             "file (or omit it for ml-100k)"
         )
-    for name in ["hidden", "blocks", "heads", "maxlen", "time_span", "mhc_streams", "eval_negatives"]:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
+    require_at_least(cfg, 1, "hidden", "blocks", "heads", "maxlen", "time_span", "mhc_streams", "eval_negatives")
     if cfg.hidden % cfg.heads:
         raise UsageError(f"--hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
     if not 0 <= cfg.dropout < 1:

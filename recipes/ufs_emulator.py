@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
-from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.cache import file_fingerprint  # noqa: E402
 from toolkit.data.ufs import (  # noqa: E402
     DEFAULT_INPUTS,
@@ -100,12 +100,8 @@ def check(cfg: UfsConfig) -> None:
             "--data is required: a CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth "
             "--out data/gdas-like.nc writes a generated one)"
         )
-    for name in ["thin", "hidden", "layers"]:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 1")
-    for name in ["max_patterns", "patience"]:
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be >= 0")
+    require_at_least(cfg, 1, "thin", "hidden", "layers")
+    require_at_least(cfg, 0, "max_patterns", "patience")
     if not 0 < cfg.val_fraction < 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid; it must be in (0, 1)")
     if not 0 <= cfg.min_abs_lat <= 90:

@@ -205,3 +205,20 @@ def slurm_env() -> dict:
     with users_locked() as state:
         if not state["users"] and state["owned"]:
             cluster("stop")
+
+
+def sbatch_cpu_run(slurm_env: dict, recipe_args: list[str], tmp_path: Path) -> Path:
+    """Submit slurm/multinode_cpu.sbatch with the recipe and its flags to the local cluster (from the project root,
+    as users do), wait for it, and check what every recipe's 2-node run must show: exit 0, `verify` passes with
+    world size 2 over gloo, and both ranks announced themselves from two nodes. Returns the run directory."""
+    from toolkit.verify import verify_run
+
+    run_dir, log = tmp_path / "run", tmp_path / "batch.out"
+    command = ["sbatch", "--parsable", f"--output={log}", "--wait", "slurm/multinode_cpu.sbatch", *recipe_args]
+    env = recipe_env({"SLURM_CONF": slurm_env["SLURM_CONF"], "RUN_DIR": str(run_dir)})
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
+    assert verify_run(run_dir, expect_world_size=2, expect_backend="gloo") == []
+    seen = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
+    assert "[rank 0/2]" in seen and "[rank 1/2]" in seen and "node_rank=1" in seen
+    return run_dir

@@ -6,13 +6,12 @@ import csv
 import os
 import pickle
 import shutil
-import subprocess
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import DATA_CACHE, ROOT, final_weights, logged_losses, ranks_seen, read_json, recipe_env, run_recipe
+from conftest import DATA_CACHE, final_weights, logged_losses, ranks_seen, read_json, run_recipe, sbatch_cpu_run
 
 from toolkit.data.traffic import INPUT_STEPS, OUTPUT_STEPS, generate, minimum_timesteps, part_bounds, write_dataset
 from toolkit.verify import verify_run
@@ -239,21 +238,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, synt
 @pytest.mark.slurm
 @pytest.mark.xdist_group("slurm")
 def test_two_node_cpu_sbatch_run_of_dcrnn_verifies(slurm_env, synth_data, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "batch.out"
-    command = [
-        "sbatch",
-        "--parsable",
-        f"--output={log}",
-        "--wait",
-        "slurm/multinode_cpu.sbatch",
-        "recipes/dcrnn.py",
-        *args("--max-steps", "4", "--eval-every-steps", "2"),
-    ]
-    env = recipe_env({"SLURM_CONF": slurm_env["SLURM_CONF"], "RUN_DIR": str(run_dir)})
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
-    assert verify_run(run_dir, expect_world_size=2, expect_backend="gloo") == []
-    seen = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
-    assert "[rank 0/2]" in seen and "[rank 1/2]" in seen and "node_rank=1" in seen
+    run_dir = sbatch_cpu_run(slurm_env, ["recipes/dcrnn.py", *args("--max-steps", "4", "--eval-every-steps", "2")],
+                             tmp_path)
     summary = read_json(run_dir / "summary.json")
     assert summary["global_step"] == 4 and summary["test_metrics_at_best"]["test_readings"] > 0

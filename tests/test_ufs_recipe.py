@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import csv
 import re
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 import xarray as xr
-from conftest import ROOT, final_weights, logged_losses, ranks_seen, read_json, recipe_env, run_recipe
+from conftest import final_weights, logged_losses, ranks_seen, read_json, run_recipe, sbatch_cpu_run
 
 from toolkit.data.ufs import synthesize
 from toolkit.verify import verify_run
@@ -197,29 +196,4 @@ def test_bad_input_is_one_line_exit_2_and_nothing_created(make_flags, fragments,
 @pytest.mark.slurm
 @pytest.mark.xdist_group("slurm")
 def test_two_node_sbatch_run_verifies(slurm_env, data, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "batch.out"
-    command = [
-        "sbatch",
-        "--parsable",
-        f"--output={log}",
-        "--wait",
-        "slurm/multinode_cpu.sbatch",
-        "recipes/ufs_emulator.py",
-        "--data",
-        str(data),
-        *TINY_UFS,
-        "--epochs",
-        "2",
-    ]
-    result = subprocess.run(
-        command,
-        cwd=ROOT,
-        env=recipe_env({"SLURM_CONF": slurm_env["SLURM_CONF"], "RUN_DIR": str(run_dir)}),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr + (log.read_text() if log.exists() else "")
-    assert verify_run(run_dir, expect_world_size=2, expect_backend="gloo") == []
-    seen = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert "[rank 0/2]" in seen and "[rank 1/2]" in seen and "node_rank=1" in seen
+    sbatch_cpu_run(slurm_env, ["recipes/ufs_emulator.py", "--data", str(data), *TINY_UFS, "--epochs", "2"], tmp_path)

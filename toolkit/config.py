@@ -114,6 +114,14 @@ def _condense_tyro_error(text: str) -> str:
     return " ".join(lines) or text.strip().replace("\n", " ")
 
 
+def require_at_least(config: TrainConfig, minimum: int, *names: str) -> None:
+    """A recipe's integer flags `names` must be >= minimum: otherwise one UsageError line naming the flag."""
+    for name in names:
+        value = getattr(config, name)
+        if value < minimum:
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be >= {minimum}")
+
+
 def validate(config: TrainConfig) -> None:
     """Range checks tyro cannot express, before any expensive work."""
     positive = ["epochs", "batch_size", "grad_accum", "keep_checkpoints", "eval_every", "log_every"]
