@@ -149,6 +149,7 @@ SCRIPT = textwrap.dedent(
         result["cases"][name] = {"rows": len(x[rows]), "count": count.tolist(), "mean": mean.tolist(),
                                  "std": std_from_moments(count, m2).tolist(), "errors": error_metrics(total)}
     json.dump(result, open(f"{out}/rank{rank}.json", "w"))
+    dist.destroy_process_group()  # as recipes do at the end: a process exiting with a live gloo group may abort
     """
 )
 
