@@ -2,6 +2,7 @@
 
 import os
 import signal
+import subprocess
 
 from toolkit import preemption
 
@@ -11,13 +12,27 @@ def test_requeue_is_capped_after_max_requeues(monkeypatch):
     monkeypatch.setattr(preemption.subprocess, "run", lambda *a, **k: calls.append(a))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
-    outcome = preemption.requeue_job(max_requeues=3)
-    assert "not requeued" in outcome and "3 times" in outcome and calls == []
+    said = []
+    preemption.requeue_job(max_requeues=3, announce=said.append)
+    assert len(said) == 1 and "not requeued" in said[0] and "3 times" in said[0] and calls == []
 
 
 def test_requeue_outside_slurm_only_says_how_to_resume(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert "--resume-from auto" in preemption.requeue_job(max_requeues=3)
+    said = []
+    preemption.requeue_job(max_requeues=3, announce=said.append)
+    assert len(said) == 1 and "--resume-from auto" in said[0]
+
+
+def test_the_requeue_is_announced_before_scontrol_runs(monkeypatch):
+    """`scontrol requeue` ends the job's steps at once: a line written after it may never reach the log."""
+    said, order = [], []
+    monkeypatch.setattr(preemption.subprocess, "run",
+                        lambda *a, **k: order.append(("scontrol", len(said))) or subprocess.CompletedProcess(a, 0))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    preemption.requeue_job(max_requeues=3, announce=said.append)
+    assert said == ["requeueing SLURM job 77 (restart 1 of at most 3)"] and order == [("scontrol", 1)]
 
 
 def test_handler_only_sets_a_flag(monkeypatch):

@@ -113,7 +113,7 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted(cluster, tmp_p
     assert state == "COMPLETED", text
     assert "restart 0" in text and "restart 1" in text and "forwarding to the job steps" in text
     node_logs = "".join(p.read_text() for p in (preempted / "logs").glob("*.log"))
-    stopped_at = int(re.search(r"pre-empted at step (\d+): checkpoint saved; requeued", node_logs).group(1))
+    stopped_at = int(re.search(r"pre-empted at step (\d+): checkpoint saved; requeueing SLURM job", node_logs).group(1))
     assert 3 <= stopped_at < 60
     final = [d / "checkpoints" / "step_60" / "model.safetensors" for d in (straight, preempted)]
     assert final[0].read_bytes() == final[1].read_bytes()

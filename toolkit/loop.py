@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,8 +273,13 @@ class TrainingLoop:
         """Pre-empted (SIGUSR1): a complete checkpoint of this step, requeue (main process), every rank exits 0."""
         self.save()
         if self.run.is_main:
-            outcome = preemption.requeue_job(self.config.max_requeues)
-            tqdm.write(f"pre-empted at step {self.progress.global_step}: checkpoint saved; {outcome}")
+            step = self.progress.global_step
+
+            def announce(what: str) -> None:  # flushed: the requeue may end this process right after
+                tqdm.write(f"pre-empted at step {step}: checkpoint saved; {what}")
+                sys.stdout.flush()
+
+            preemption.requeue_job(self.config.max_requeues, announce)
         self.accelerator.wait_for_everyone()
         if self._bar is not None:
             self._bar.close()

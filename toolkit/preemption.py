@@ -41,15 +41,19 @@ def requested_anywhere(accelerator: Accelerator) -> bool:
     return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
-def requeue_job(max_requeues: int) -> str:
-    """Requeue the SLURM job this process belongs to, unless the cap is reached; returns what happened."""
+def requeue_job(max_requeues: int, announce=print) -> None:
+    """Requeue the SLURM job this process belongs to, unless the cap is reached. What happens is announced
+    BEFORE `scontrol requeue` runs: requeueing a running job ends its steps at once, so a line written after the
+    call may never reach the log."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
-        return "not under SLURM: continue with --resume-from auto"
+        announce("not under SLURM: continue with --resume-from auto")
+        return
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts >= max_requeues:
-        return f"not requeued: job {job} already restarted {restarts} times (--max-requeues {max_requeues})"
+        announce(f"not requeued: job {job} already restarted {restarts} times (--max-requeues {max_requeues})")
+        return
+    announce(f"requeueing SLURM job {job} (restart {restarts + 1} of at most {max_requeues})")
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode != 0:
-        return f"scontrol requeue {job} failed: {result.stderr.strip()}"
-    return f"requeued SLURM job {job} (restart {restarts + 1} of at most {max_requeues})"
+        announce(f"scontrol requeue {job} failed: {result.stderr.strip()}; resume with --resume-from auto")
