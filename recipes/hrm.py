@@ -168,6 +168,9 @@ def check(cfg: HRMConfig) -> None:
         raise UsageError(f"--grad-accum {cfg.grad_accum} is not supported by HRM: its carry advances one segment per "
                          "batch; use --grad-accum 1 and a larger --batch-size")
     data_recipe(cfg).check()
+    if cfg.data is None and cfg.batch_size > cfg.train_puzzles:  # known before generating anything
+        raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {cfg.train_puzzles} training puzzles (an epoch "
+                         "is one pass over them); use a smaller batch or more --train-puzzles")
 
 
 def data_recipe(cfg: HRMConfig) -> Recipe:

@@ -55,8 +55,12 @@ def test_an_exception_in_build_leaves_nothing_that_is_loaded(tmp_path):
         raise RuntimeError("parse error")
 
     with pytest.raises(RuntimeError, match="parse error"):
+        cached_dataset(tmp_path / "new" / "cache", "toy", "k", broken)
+    assert list(tmp_path.iterdir()) == []  # a bad input creates nothing: the directories made are gone again
+    (tmp_path / "processed").mkdir()
+    with pytest.raises(RuntimeError, match="parse error"):
         cached_dataset(tmp_path, "toy", "k", broken)
-    assert entries(tmp_path / "processed") == []
+    assert entries(tmp_path / "processed") == []  # a directory that was there stays
     build = Builder()
     ds, _ = cached_dataset(tmp_path, "toy", "k", build)
     assert build.calls == 1 and ds["x"] == [1, 2, 3]

@@ -111,13 +111,20 @@ def cached_dataset(
     called); else build() -> (dataset, JSON-serialisable meta), saved atomically, then loaded from disk (so the
     first call returns exactly what later calls load). A cache directory that cannot be written raises a
     UsageError naming `flag`; it is checked before build() runs. Exceptions from build() propagate, leaving
-    nothing that would be loaded."""
+    nothing behind: the directories made for the check are removed again (a bad input creates nothing)."""
     cache_dir = Path(cache_dir).expanduser()
     final = cache_dir / "processed" / f"{name}-{key}"
     if not is_complete(final):
+        made = [d for d in (final.parent, *final.parent.parents) if not d.exists()]
         with writable(cache_dir, flag):
             final.parent.mkdir(parents=True, exist_ok=True)  # fail before a long build, not after it
-        ds, meta = build()
+        try:
+            ds, meta = build()
+        except BaseException:
+            for directory in made:  # innermost first; rmdir leaves a directory someone has filled meanwhile
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
         with writable(cache_dir, flag):
             save_atomically(ds, meta, final)
     meta = json.loads((final / META_FILE).read_text())

@@ -1,0 +1,234 @@
+"""The HRM model's parts against hand-made cases and references: ACT halting on hand-set Q values (max steps, q_halt >
+q_continue in training, never early in evaluation), the carry (halted rows replaced, running rows kept), stablemax
+cross-entropy against a float64 reference, AdamATan2 against its update formula, the sparse SignSGD on the batch's
+rows, and that update in a real 2-process gloo run equal to one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+from conftest import run_recipe
+
+from toolkit.models.hrm import HRM, AdamATan2, PuzzleEmbedding, SparseSignSGD, act_losses, stablemax_cross_entropy
+
+VOCAB, CELLS, MAX_STEPS = 11, 9, 4
+
+
+def tiny_model(**changes) -> HRM:
+    torch.manual_seed(0)
+    settings = dict(num_puzzle_ids=3, hidden=16, heads=2, expansion=2.0, h_layers=1, l_layers=1, h_cycles=2,
+                    l_cycles=2, halt_max_steps=MAX_STEPS, exploration_prob=0.0)
+    return HRM(VOCAB, CELLS, **{**settings, **changes})
+
+
+def batch(rows: int = 4, first_id: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(first_id)
+    labels = torch.randint(2, VOCAB, (rows, CELLS), generator=generator)
+    inputs = torch.where(torch.rand(rows, CELLS, generator=generator) < 0.3, 1, labels)
+    return {"inputs": inputs, "labels": labels, "puzzle_ids": torch.arange(rows) % 3,
+            "ids": torch.arange(first_id, first_id + rows)}
+
+
+def set_q(model: HRM, q_halt: float, q_continue: float) -> None:
+    """Q head constant: every row gets these (q_halt, q_continue) logits whatever its state."""
+    with torch.no_grad():
+        model.q_head.weight.zero_()
+        model.q_head.bias.copy_(torch.tensor([q_halt, q_continue]))
+
+
+def segments_until_halted(model: HRM, explore_key=None) -> list[list[bool]]:
+    """The halted flags after each of MAX_STEPS segments on one batch (the same batch offered every time)."""
+    data = batch()
+    carry, flags = model.initial_carry(data), []
+    for _ in range(MAX_STEPS):
+        with torch.no_grad():
+            out = model(carry, data, explore_key=explore_key)
+        carry = out["carry"]
+        flags.append(out["halted"].tolist())
+    return flags
+
+
+def test_training_halts_at_max_steps_when_continuing_looks_better():
+    model = tiny_model().train()
+    set_q(model, q_halt=-3.0, q_continue=2.0)
+    assert segments_until_halted(model) == [[False] * 4] * (MAX_STEPS - 1) + [[True] * 4]
+
+
+def test_training_halts_as_soon_as_q_halt_exceeds_q_continue():
+    model = tiny_model().train()
+    set_q(model, q_halt=2.0, q_continue=-3.0)
+    flags = segments_until_halted(model)
+    assert flags == [[True] * 4] * MAX_STEPS  # every segment: halted rows restart, halt again after one step
+    data = batch()
+    out = model(model.initial_carry(data), data)
+    assert out["steps"].tolist() == [1] * 4
+
+
+def test_evaluation_never_halts_early():
+    model = tiny_model().eval()
+    set_q(model, q_halt=5.0, q_continue=-5.0)
+    assert segments_until_halted(model) == [[False] * 4] * (MAX_STEPS - 1) + [[True] * 4]
+
+
+def test_exploration_forces_a_minimum_of_segments_keyed_by_sample():
+    model = tiny_model(exploration_prob=1.0).train()  # every row explores: a minimum of 2..MAX_STEPS segments
+    set_q(model, q_halt=2.0, q_continue=-3.0)
+    flags = segments_until_halted(model, explore_key=(0, 11, 1))
+    halted_at = [next(i + 1 for i, step in enumerate(flags) if step[row]) for row in range(4)]
+    assert all(2 <= when <= MAX_STEPS for when in halted_at), halted_at
+    again = segments_until_halted(model, explore_key=(0, 11, 1))
+    assert again == flags  # keyed: the same coins every time
+
+
+def test_carry_replaces_halted_rows_and_keeps_running_ones():
+    model = tiny_model().train()
+    set_q(model, q_halt=-3.0, q_continue=2.0)
+    first, second = batch(first_id=0), batch(first_id=100)
+    out = model(model.initial_carry(first), first)
+    carry = out["carry"]
+    carry["halted"] = torch.tensor([True, False, True, False])  # rows 0 and 2 done: they take the new batch's rows
+    out = model(carry, second)
+    assert out["carry"]["data_ids"].tolist() == [100, 1, 102, 3]
+    assert out["steps"].tolist() == [1, 2, 1, 2]
+    assert torch.equal(out["labels"][1], first["labels"][1]) and torch.equal(out["labels"][0], second["labels"][0])
+    # A replaced row starts from the initial state: the same output as that row run alone from a fresh carry.
+    fresh = model(model.initial_carry(second), second)
+    assert torch.allclose(out["logits"][0], fresh["logits"][0], atol=1e-6)
+    assert not torch.allclose(out["logits"][1], fresh["logits"][1], atol=1e-3)
+
+
+def test_stablemax_cross_entropy_matches_a_float64_reference():
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 5, VOCAB) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, VOCAB, (3, 5))
+    labels[0, 0] = -100  # ignored
+    got = stablemax_cross_entropy(logits, labels)
+    assert got.dtype == torch.float64
+    for b in range(3):
+        for t in range(5):
+            if labels[b, t] == -100:
+                assert got[b, t].item() == 0.0
+                continue
+            row = [float(v) for v in logits[b, t].float()]
+            s = [1.0 / (1.0 - v) if v < 0 else v + 1.0 for v in row]
+            expected = -math.log(s[labels[b, t]] / sum(s))
+            assert got[b, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_act_losses_count_only_halted_rows_in_the_metrics():
+    model = tiny_model().train()
+    set_q(model, q_halt=-3.0, q_continue=2.0)
+    data = batch()
+    out = model(model.initial_carry(data), data)
+    out["halted"] = torch.tensor([True, False, False, True])
+    loss, sums = act_losses(out)
+    assert sums["rows"].item() == 4 and sums["count"].item() == 2
+    blanks = (data["inputs"] == 1)[[0, 3]].sum().item()
+    assert sums["blank_cells"].item() == blanks
+    assert loss.item() == pytest.approx(sums["lm_loss"].item() + 0.5 * (sums["q_halt_loss"].item()
+                                                                     + sums["q_continue_loss"].item()), rel=1e-5)
+
+
+def test_adam_atan2_follows_its_update_formula():
+    torch.manual_seed(2)
+    start = torch.randn(6, dtype=torch.float64)
+    param = torch.nn.Parameter(start.clone())
+    lr, (b1, b2), wd = 0.01, (0.9, 0.95), 0.1
+    optimizer = AdamATan2([param], lr=lr, betas=(b1, b2), weight_decay=wd)
+    p, m, v = start.tolist(), [0.0] * 6, [0.0] * 6
+    for t in range(1, 6):
+        grad = torch.randn(6, dtype=torch.float64) * (10.0 ** (t - 3))  # scales from 1e-2 to 1e2
+        param.grad = grad.clone()
+        optimizer.step()
+        for i, g in enumerate(grad.tolist()):
+            p[i] *= 1 - lr * wd
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            p[i] -= lr * math.atan2(m[i] / (1 - b1**t), math.sqrt(v[i] / (1 - b2**t)))
+        assert param.detach().tolist() == pytest.approx(p, rel=1e-12, abs=1e-15), t
+    scaled = torch.nn.Parameter(start.clone())  # scale invariant: gradients x 1000 give the same steps (wd 0)
+    plain = torch.nn.Parameter(start.clone())
+    for grads, prm in [(1000.0, scaled), (1.0, plain)]:
+        opt = AdamATan2([prm], lr=lr)
+        for t in range(3):
+            prm.grad = grads * torch.linspace(-1, 1, 6, dtype=torch.float64) * (t + 1)
+            opt.step()
+    assert torch.allclose(scaled, plain, rtol=0, atol=1e-12)
+
+
+def test_sparse_sign_sgd_updates_only_the_batch_rows_with_summed_duplicates():
+    embedding = PuzzleEmbedding(5, 3).train()
+    with torch.no_grad():
+        embedding.table.copy_(torch.arange(15, dtype=torch.float32).view(5, 3))
+    before = embedding.table.clone()
+    ids = torch.tensor([1, 3, 1])
+    rows = embedding(ids)
+    # Row 1 appears twice: gradients (+2, -1, 0) and (-3, +1, 0) sum to (-1, 0, 0); row 3 gets (0, 5, -5).
+    (rows * torch.tensor([[2.0, -1, 0], [0, 5, -5], [-3, 1, 0]])).sum().backward()
+    lr, wd = 0.5, 0.1
+    SparseSignSGD(embedding, lr, wd).step()
+    expected = before.clone()
+    expected[1] = before[1] * (1 - lr * wd) - lr * torch.tensor([-1.0, 0, 0])
+    expected[3] = before[3] * (1 - lr * wd) - lr * torch.tensor([0.0, 1, -1])
+    assert torch.equal(embedding.table, expected)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from toolkit.models.hrm import PuzzleEmbedding, SparseSignSGD
+
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    ids = torch.tensor(json.loads(sys.argv[2]))
+    grads = torch.tensor(json.loads(sys.argv[3]))
+    embedding = PuzzleEmbedding(6, 4).train()
+    embedding.table.copy_(torch.linspace(-1, 1, 24).view(6, 4))
+    optimizer = SparseSignSGD(embedding, lr=0.25, weight_decay=0.5, gather=accelerator.gather)
+    share = len(ids) // world
+    mine = slice(rank * share, (rank + 1) * share)
+    for step in range(3):
+        rows = embedding(ids[mine])
+        (rows * grads[mine] * (step + 1)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "rank": rank,
+               "table": embedding.table.tolist()}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_update_the_table_as_one_process(tmp_path):
+    # Id 2 is in both ranks' halves with opposite-signed gradients (it only sums right when gathered); id 4 twice.
+    ids = [2, 4, 0, 4, 2, 5]
+    grads = [[1, -2, 3, 0], [1, 1, 1, 1], [0, 0, -1, 2], [-3, 1, -1, 1], [-4, 1, -3, 0], [5, -5, 0, 1]]
+    outputs = {}
+    for config in (None, "cpu_2proc.yaml"):
+        out = tmp_path / str(config)
+        out.mkdir()
+        script = out / "sparse.py"
+        script.write_text(SCRIPT)
+        run_recipe([str(out), json.dumps(ids), json.dumps(grads)], config=config, recipe=str(script), timeout=300)
+        outputs[config] = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    one, two = outputs[None], outputs["cpu_2proc.yaml"]
+    assert [(r["rank"], r["world_size"]) for r in one] == [(0, 1)]
+    assert [(r["rank"], r["world_size"]) for r in two] == [(0, 2), (1, 2)]
+    assert one[0]["table"] == two[0]["table"] == two[1]["table"]  # bit for bit, on every rank
+    table = torch.tensor(one[0]["table"])
+    start = torch.linspace(-1, 1, 24).view(6, 4)
+    assert torch.equal(table[[1, 3]], start[[1, 3]])  # rows never in a batch are untouched (no decay either)
+    # Id 2: summed gradient (-3, -1, 0, 0) -> sign (-1, -1, 0, 0); three steps of decay 1 - 0.25 * 0.5.
+    expected = start[2].clone()
+    for _ in range(3):
+        expected = expected * (1 - 0.125) - 0.25 * torch.tensor([-1.0, -1, 0, 0])
+    assert torch.allclose(table[2], expected, atol=1e-6)
