@@ -85,7 +85,7 @@ class HRMConfig(TrainConfig):
     """Generated puzzles blank at most this many cells (81: as many as uniqueness allows; fewer: easier)."""
     hidden: int = 64
     """Hidden size of both modules."""
-    heads: int = 2
+    heads: int = 4
     """Attention heads (hidden must divide by it)."""
     expansion: float = 4.0
     """SwiGLU width: 2/3 x expansion x hidden, rounded up to a multiple of 256."""
@@ -116,9 +116,9 @@ class HRMConfig(TrainConfig):
     warmup_steps: int = 50
     """Linear learning-rate warm-up (both optimisers), then constant."""
     # Shared flags: the cpu-small preset's values.
-    epochs: int = 24
+    epochs: int = 64
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 1e-3
     max_grad_norm: float = 1.0
     eval_every: int = 4
 
