@@ -1,13 +1,11 @@
 """HRM, the Hierarchical Reasoning Model, on Sudoku: one training run from a laptop CPU to 8 GPUs.
 
-    python recipes/hrm.py                                            # cpu-small preset, easy generated puzzles
-    python -m toolkit.data.sudoku build --out data/sudoku-gen-1k-aug-1000 --train-puzzles 1000 --aug 1000 \
-        --min-rating 20
-    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/hrm.py --preset sudoku-1k \
-        --data data/sudoku-gen-1k-aug-1000
+    python recipes/hrm.py              # the cpu-small preset on easy generated puzzles (about 11 min on 2 cores)
+    python -m toolkit.data.sudoku build --out data/sudoku-1k --train-puzzles 1000 --aug 1000 --min-rating 20
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/hrm.py --preset sudoku-1k --data data/sudoku-1k
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/hrm.py --resume-from auto
 
-Presets (`--preset`): cpu-small (the default: a small model on easy generated puzzles, minutes on 2 cores) and
+Presets (`--preset`): cpu-small (the default: a small model on easy generated puzzles, about 11 minutes on 2 cores) and
 sudoku-1k (the paper's settings: global batch 768, lr 1e-4, puzzle-embedding lr 1e-4, weight decay 1.0, warm-up
 2000 steps, 20000 epochs, evaluation every 2000, hidden 512, 4+4 layers, 2x2 cycles, 16 halting steps, on 1000
 hard puzzles x 1000 augmentations). Any flag overrides the preset's value.
