@@ -93,6 +93,38 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "train/loss"}
 
 
+def dir_tree(root: Path) -> list[tuple[str, int]]:
+    """Every path under root with its size (-1 for a directory): equal before and after = nothing written."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*"))
+
+
+def assert_refused(args: list[str], fragments, *, recipe: str = "sasrec", case_dir: Path) -> str:
+    """Run the recipe (plain python, cwd case_dir) on a bad input: exit 2, exactly one `error:` line on stderr holding
+    every fragment, no traceback, and nothing under case_dir created or changed. Returns the error line."""
+    before = dir_tree(case_dir)
+    result = run_recipe(args, recipe=recipe, check=False, cwd=case_dir)
+    output = result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, output
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert "Traceback" not in output
+    assert not any(line.startswith("error:") for line in result.stdout.splitlines())
+    assert dir_tree(case_dir) == before  # nothing created, nothing changed
+    return errors[0]
+
+
+def one_and_two_process_runs(args: list[str], *, recipe: str, root: Path) -> dict[str | None, Path]:
+    """The same run with 1 process (plain python) and with 2 gloo processes, under root:
+    {None: run dir, "cpu_2proc.yaml": run dir}."""
+    runs = {}
+    for config in (None, "cpu_2proc.yaml"):
+        runs[config] = root / str(config)
+        run_recipe([*args, "--output-dir", str(runs[config])], recipe=recipe, config=config)
+    return runs
+
+
 @pytest.fixture(scope="session")
 def movielens_cache() -> Path:
     """Fetch and prepare MovieLens-100K once (the recbole wheel from PyPI when GroupLens is unreachable)."""

@@ -11,7 +11,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import DATA_CACHE, final_weights, logged_losses, ranks_seen, read_json, run_recipe, sbatch_cpu_run
+from conftest import (
+    DATA_CACHE,
+    assert_refused,
+    final_weights,
+    logged_losses,
+    one_and_two_process_runs,
+    ranks_seen,
+    read_json,
+    run_recipe,
+    sbatch_cpu_run,
+)
 
 from toolkit.data.traffic import INPUT_STEPS, OUTPUT_STEPS, generate, minimum_timesteps, part_bounds, write_dataset
 from toolkit.verify import verify_run
@@ -119,12 +129,7 @@ ADAM = args("--max-steps", "8", "--eval-every-steps", "4", "--log-with", "csv", 
 @pytest.fixture(scope="module")
 def adam_runs(synth_data, tmp_path_factory):
     """Uninterrupted Adam runs, 1 and 2 processes."""
-    root = tmp_path_factory.mktemp("adam")
-    runs = {}
-    for config in (None, "cpu_2proc.yaml"):
-        runs[config] = root / str(config)
-        run_recipe([*ADAM, "--output-dir", str(runs[config])], recipe="dcrnn", config=config)
-    return runs
+    return one_and_two_process_runs(ADAM, recipe="dcrnn", root=tmp_path_factory.mktemp("adam"))
 
 
 def test_two_processes_match_one_process_loss_curve_with_adam(adam_runs):
@@ -210,26 +215,12 @@ BAD_INPUTS = [
 ]
 
 
-def _tree(root):
-    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*"))
-
-
 @pytest.mark.parametrize("flags, fragments", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, synth_data, tmp_path):
     flags = [flag(tmp_path) if callable(flag) else flag for flag in flags]
     data = [] if "--data" in flags or flags == [] else ["--data", str(synth_data)]
-    before = _tree(tmp_path)
-    result = run_recipe(
-        [*TINY_DCRNN, *data, *flags, "--output-dir", str(tmp_path / "run")], recipe="dcrnn", check=False, cwd=tmp_path
-    )
-    output = result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2, output
-    assert len(errors) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    assert "Traceback" not in output
-    assert _tree(tmp_path) == before  # nothing created, nothing changed
+    assert_refused([*TINY_DCRNN, *data, *flags, "--output-dir", str(tmp_path / "run")], fragments, recipe="dcrnn",
+                   case_dir=tmp_path)
 
 
 # ---- the 2-node CPU sbatch job on the local SLURM cluster ------------------------------------------------------

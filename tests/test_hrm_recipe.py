@@ -7,7 +7,16 @@ import csv
 
 import pytest
 import torch
-from conftest import DATA_CACHE, final_weights, logged_losses, ranks_seen, read_json, run_recipe
+from conftest import (
+    DATA_CACHE,
+    assert_refused,
+    final_weights,
+    logged_losses,
+    one_and_two_process_runs,
+    ranks_seen,
+    read_json,
+    run_recipe,
+)
 
 from toolkit.data.sudoku import generate_puzzle
 from toolkit.verify import verify_run
@@ -48,12 +57,7 @@ def test_one_and_two_processes_train_alike_with_sgd_and_count_every_puzzle_once(
 @pytest.fixture(scope="module")
 def adam_runs(tmp_path_factory):
     """Uninterrupted AdamATan2 runs, 1 and 2 processes."""
-    root = tmp_path_factory.mktemp("hrm-adam")
-    runs = {}
-    for config in (None, "cpu_2proc.yaml"):
-        runs[config] = root / str(config)
-        run_recipe([*ADAM, "--output-dir", str(runs[config])], recipe="hrm", config=config)
-    return runs
+    return one_and_two_process_runs(ADAM, recipe="hrm", root=tmp_path_factory.mktemp("hrm-adam"))
 
 
 def test_two_processes_match_one_process_loss_curve_and_log_every_metric(adam_runs):
@@ -131,23 +135,9 @@ BAD_INPUTS = [
 ]
 
 
-def _tree(root):
-    return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*"))
-
-
 @pytest.mark.parametrize("flags, fragments", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, tmp_path):
     flags = [flag(tmp_path) if callable(flag) else flag for flag in flags]
     cache = tmp_path / "cache"  # its own cache: a failed conversion must leave nothing there either
-    before = _tree(tmp_path)
-    result = run_recipe([*TINY_HRM, "--cache-dir", str(cache), *flags, "--output-dir", str(tmp_path / "run")],
-                        recipe="hrm", check=False, cwd=tmp_path)
-    output = result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2, output
-    assert len(errors) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    assert "Traceback" not in output
-    assert _tree(tmp_path) == before  # nothing created, nothing changed
-
+    assert_refused([*TINY_HRM, "--cache-dir", str(cache), *flags, "--output-dir", str(tmp_path / "run")], fragments,
+                   recipe="hrm", case_dir=tmp_path)
