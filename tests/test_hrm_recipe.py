@@ -29,7 +29,8 @@ TINY_HRM = ["--cache-dir", str(DATA_CACHE), "--train-puzzles", "48", "--aug", "1
             "--batch-size", "16", "--halt-max-steps", "2", "--exploration-prob", "0.5", "--warmup-steps", "2",
             "--threads", "1", "--log-with", "none"]
 STEPS = 6
-SGD = [*TINY_HRM, "--optimizer", "sgd", "--lr", "0.5", "--max-steps", str(STEPS), "--eval-every-steps", "3"]
+SGD = [*TINY_HRM, "--optimizer", "sgd", "--lr", "0.5", "--max-steps", str(STEPS), "--eval-every-steps", "3",
+       "--log-with", "csv", "--log-every", "1"]
 ADAM = [*TINY_HRM, "--max-steps", str(STEPS), "--eval-every-steps", "3", "--log-with", "csv", "--log-every", "1"]
 
 
@@ -52,6 +53,11 @@ def test_one_and_two_processes_train_alike_with_sgd_and_count_every_puzzle_once(
     for key in ("test_exact_accuracy", "test_blank_accuracy", "test_token_accuracy", "test_q_halt_accuracy"):
         assert s1["test_metrics_at_best"][key] == pytest.approx(s2["test_metrics_at_best"][key], abs=1e-9), key
     assert s1["final_metrics"] == pytest.approx(s2["final_metrics"], abs=1e-9)
+    # Training metrics are sums over ranks divided by counts: the same whatever the process count.
+    logged = [{(r["step"], r["name"]): float(r["value"]) for r in csv.DictReader(open(d / "log.csv"))
+               if r["name"].startswith("train/")} for d in (one, two)]
+    assert logged[0].keys() == logged[1].keys() and ("6", "train/exact_accuracy") in logged[0]
+    assert logged[0] == pytest.approx(logged[1], rel=1e-5, abs=1e-9)
 
 
 @pytest.fixture(scope="module")

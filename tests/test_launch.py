@@ -1,6 +1,8 @@
 """`python -m toolkit launch` when workers fail: exit 2 quietly for usage errors (the recipe said it in one line),
 one line per failed worker otherwise; never a traceback of its own."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -59,3 +61,26 @@ def test_a_recipe_flag_error_under_two_processes_is_one_line(tmp_path):
     assert len(errors) == 1 and errors[0].startswith("error: --batch-size 63 is not divisible by the 2 processes")
     assert "Traceback" not in result.stdout + result.stderr
     assert not out.exists()
+
+
+WRITER = """import sys
+from toolkit.errors import write_line as say
+for _ in range(2000):
+    say(f"[rank {sys.argv[1]}] " + "x" * 300)
+"""
+
+
+def test_lines_of_processes_sharing_a_pipe_never_interleave():
+    """Four processes write long lines into one pipe, as ranks do under a launcher (PYTHONUNBUFFERED=1: print() then
+    writes the text and its newline in two calls, and the [rank N] lines were seen merged). Every line arrives whole."""
+    read_end, write_end = os.pipe()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(rank)], stderr=write_end, cwd=ROOT, env=env)
+             for rank in range(4)]
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        lines = pipe.read().decode().splitlines()
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    whole = re.compile(r"^\[rank [0-3]\] x{300}$")
+    broken = [line for line in lines if not whole.match(line)]
+    assert len(lines) == 8000 and broken == [], broken[:3]

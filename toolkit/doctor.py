@@ -39,7 +39,6 @@ import math
 import os
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.errors import UsageError
+from toolkit.errors import UsageError, write_line
 
 FAULT_ENV = "TOOLKIT_DOCTOR_INJECT_FAULT"
 INJECTABLE = ("all_reduce_int", "all_reduce_float", "broadcast", "all_gather", "bandwidth")
@@ -230,7 +229,7 @@ class _Doctor:
         except Exception as error:  # a timeout, a lost peer, a bad device: name it and stop using the group
             passed, detail, raised = False, f"raised {type(error).__name__}: {str(error).splitlines()[0][:300]}", True
             self.broken = True
-            print(f"[rank {self.group.rank}] doctor: FAIL {name}: {detail}", file=sys.stderr, flush=True)
+            write_line(f"[rank {self.group.rank}] doctor: FAIL {name}: {detail}")
         self.results.append(CheckResult(name, passed, detail, round(time.perf_counter() - started, 6), raised))
 
     # ---- the checks ----------------------------------------------------------------------------------------
@@ -402,14 +401,12 @@ def main(args: argparse.Namespace) -> int:
         state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=args.timeout))
     except Exception as error:
         rank = os.environ.get("RANK", "0")
-        print(
+        write_line(
             f"[rank {rank}] doctor: FAIL process_group: could not form the group of WORLD_SIZE={env_world_size} within "
             f"{args.timeout:g} s (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT="
             f"{os.environ.get('MASTER_PORT')}): {type(error).__name__}: {str(error).splitlines()[0][:300]}; are all "
             f"{env_world_size} processes started (srun runs one per task; the batch script alone is one) and is "
-            "MASTER_ADDR:MASTER_PORT reachable from every node?",
-            file=sys.stderr,
-            flush=True,
+            "MASTER_ADDR:MASTER_PORT reachable from every node?"
         )
         return 1
     init_seconds = time.perf_counter() - started
@@ -463,7 +460,7 @@ def main(args: argparse.Namespace) -> int:
         if state.is_main_process:
             _print_report(report)
             _write_json(args.json, report)
-        print(f"[rank {group.rank}] doctor: FAILED: {', '.join(failed)}", file=sys.stderr, flush=True)
+        write_line(f"[rank {group.rank}] doctor: FAILED: {', '.join(failed)}")
         return 1
 
     failing_ranks = doctor.agreed_failures()

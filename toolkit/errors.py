@@ -40,9 +40,18 @@ def exit_on_usage_error(main):
     return wrapper
 
 
+def write_line(line: str) -> None:
+    """line and its newline to stderr in ONE write call, so lines of several ranks sharing a pipe never interleave
+    mid-line (print() writes the text and the newline separately when PYTHONUNBUFFERED is set)."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured in-process)
+        print(line, file=sys.stderr, flush=True)
+
+
 def _say(line: str) -> None:
-    # One write call, so lines of several ranks sharing a pipe do not interleave mid-line; a live tqdm bar (on
-    # stderr, no newline at its end) is closed first so the line starts on a line of its own.
+    # A live tqdm bar (on stderr, no newline at its end) is closed first so the line starts on a line of its own.
     try:
         from tqdm import tqdm
 
@@ -50,8 +59,4 @@ def _say(line: str) -> None:
             bar.close()
     except ImportError:
         pass
-    sys.stderr.flush()
-    try:
-        os.write(sys.stderr.fileno(), (line + "\n").encode())
-    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured in-process)
-        print(line, file=sys.stderr, flush=True)
+    write_line(line)

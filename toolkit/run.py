@@ -35,7 +35,7 @@ from accelerate.utils import (
 from toolkit import checkpoint, orphans, preemption
 from toolkit.config import TrainConfig
 from toolkit.distributed import watch_peers
-from toolkit.errors import UsageError
+from toolkit.errors import UsageError, write_line
 from toolkit.tracking import tracker_choice, tracker_init_kwargs
 
 RUNS_ROOT = Path("runs")
@@ -428,12 +428,10 @@ def _shared_filesystem_problem(run: Run) -> str | None:
 def _announce_rank(accelerator: Accelerator) -> None:
     # Every rank says what it sees: tests (and people) read the world size from inside the processes.
     backend = accelerator.state.backend or "none"
-    print(
+    write_line(
         f"[rank {accelerator.process_index}/{accelerator.num_processes}] host={socket.gethostname()} "
         f"node_rank={os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))} device={accelerator.device} "
-        f"backend={backend} mixed_precision={accelerator.mixed_precision} threads={torch.get_num_threads()}",
-        file=sys.stderr,
-        flush=True,
+        f"backend={backend} mixed_precision={accelerator.mixed_precision} threads={torch.get_num_threads()}"
     )
 
 
