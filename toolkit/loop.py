@@ -83,6 +83,7 @@ class Progress:
     last_eval_step: int | None = None
     stop_reason: str | None = None  # request_stop(reason): the run ended early
     train_time_sec: float = 0.0
+    wall_time_sec: float = 0.0  # wall time of the work this checkpoint keeps, summed over the run's lives
     file_bytes: dict = field(default_factory=dict)  # metrics.csv / log.csv sizes when this checkpoint was saved
 
 
@@ -129,7 +130,7 @@ class TrainingLoop:
         self._bar = None
         self._timer = _IntervalTimer()
         self._test_metrics: dict = {}
-        self._run_started = time.perf_counter()
+        self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
 
     # ---- start: take the run directory, resume ----------------------------------------------------------------
     def start(self) -> None:
@@ -389,6 +390,9 @@ class TrainingLoop:
             return
         if self.run.is_main:
             self.progress.file_bytes = {name: _size(self.run.output_dir / name) for name in (METRICS_FILE, LOG_FILE)}
+        now = time.perf_counter()
+        self.progress.wall_time_sec += now - self._wall_mark
+        self._wall_mark = now
         checkpoint.save_checkpoint(self.accelerator, self.run.output_dir, step, dataclasses.asdict(self.progress),
                                    self.shared_state, self.rank_state)
         self._last_saved_step = step
@@ -440,7 +444,10 @@ class TrainingLoop:
             "best_checkpoint": str(best_checkpoint) if best_checkpoint else None,
             "test_metrics_at_best": self._test_metrics,
             "train_time_sec": round(progress.train_time_sec, 2),
-            "wall_time_sec": round(time.perf_counter() - self._run_started, 2),
+            # Every life's time up to its last checkpoint, plus this life's since then (a killed life's time after
+            # its last checkpoint is lost with its work: it is in no life's kept work).
+            "wall_time_sec": round(progress.wall_time_sec + time.perf_counter() - self._wall_mark, 2),
+            "wall_time_this_life_sec": round(time.perf_counter() - self._run_started, 2),
             **(extra or {}),
         }
         if run.is_main:
