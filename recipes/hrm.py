@@ -166,9 +166,14 @@ def check(cfg: HRMConfig) -> None:
         raise UsageError(f"--grad-accum {cfg.grad_accum} is not supported by HRM: its carry advances one segment per "
                          "batch; use --grad-accum 1 and a larger --batch-size")
     data_recipe(cfg).check()
-    if cfg.data is None and cfg.batch_size > cfg.train_puzzles:  # known before generating anything
-        raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {cfg.train_puzzles} training puzzles (an epoch "
-                         "is one pass over them); use a smaller batch or more --train-puzzles")
+    if cfg.data is None:  # generated data: the count is known before generating anything
+        check_batch_fits(cfg.batch_size, cfg.train_puzzles)
+
+
+def check_batch_fits(batch_size: int, train_puzzles: int) -> None:
+    if batch_size > train_puzzles:
+        raise UsageError(f"--batch-size {batch_size} exceeds the {train_puzzles} training puzzles (an epoch is one "
+                         "pass over them); use a smaller batch or more --train-puzzles")
 
 
 def data_recipe(cfg: HRMConfig) -> Recipe:
@@ -259,9 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          cfg.seed)
     valid_set = split(stored, meta, "val").select_columns(columns)
     test_set = split(stored, meta, "test").select_columns(columns)
-    if len(train_set) < cfg.batch_size:
-        raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {len(train_set)} training puzzles (an epoch is "
-                         "one pass over them); use a smaller batch or more --train-puzzles")
+    check_batch_fits(cfg.batch_size, len(train_set))  # a built dataset or CSVs: known once loaded
     loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
