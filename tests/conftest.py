@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -65,13 +66,10 @@ def read_json(path: Path) -> dict:
 
 
 def ranks_seen(output: str) -> set[tuple[int, int]]:
-    """(rank, world size) pairs the processes announced from inside."""
-    seen = set()
-    for line in output.splitlines():
-        if line.startswith("[rank ") and "]" in line:
-            rank, world = line[len("[rank "): line.index("]")].split("/")
-            seen.add((int(rank), int(world)))
-    return seen
+    """(rank, world size) pairs the processes announced from inside ("[rank r/w] host=..." lines)."""
+    import re
+
+    return {(int(r), int(w)) for r, w in re.findall(r"^\[rank (\d+)/(\d+)\] host=", output, re.MULTILINE)}
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -123,6 +121,27 @@ def one_and_two_process_runs(args: list[str], *, recipe: str, root: Path) -> dic
         runs[config] = root / str(config)
         run_recipe([*args, "--output-dir", str(runs[config])], recipe=recipe, config=config)
     return runs
+
+
+DCRNN_SYNTH = DATA_CACHE / "dcrnn-synth-10x5"  # 10 sensors, 5 days: 985/121/265 windows (odd counts: padded batches)
+
+
+@pytest.fixture(scope="session")
+def synth_data():
+    """The DCRNN tests' generated road network, written once (atomically, under a lock: parallel pytest processes
+    share it)."""
+    from filelock import FileLock
+
+    from toolkit.data.traffic import generate, write_dataset
+
+    DATA_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(DATA_CACHE / ".dcrnn-synth.lock")):
+        if not (DCRNN_SYNTH / "adj_mx.pkl").exists():
+            partial = DCRNN_SYNTH.with_name(DCRNN_SYNTH.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            write_dataset(partial, *generate(sensors=10, days=5, seed=0, progress=False))
+            os.replace(partial, DCRNN_SYNTH)
+    return DCRNN_SYNTH
 
 
 @pytest.fixture(scope="session")

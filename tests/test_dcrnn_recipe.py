@@ -3,9 +3,7 @@
 bad inputs (one error line, exit 2, nothing created), and the 2-node CPU sbatch job on the local SLURM cluster."""
 
 import csv
-import os
 import pickle
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -13,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     DATA_CACHE,
+    DCRNN_SYNTH,
     assert_refused,
     final_weights,
     logged_losses,
@@ -23,12 +22,11 @@ from conftest import (
     sbatch_cpu_run,
 )
 
-from toolkit.data.traffic import INPUT_STEPS, OUTPUT_STEPS, generate, minimum_timesteps, part_bounds, write_dataset
+from toolkit.data.traffic import INPUT_STEPS, OUTPUT_STEPS, minimum_timesteps, part_bounds, write_dataset
 from toolkit.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
-SYNTH = DATA_CACHE / "dcrnn-synth-10x5"  # 10 sensors, 5 days: 985/121/265 windows (odd counts: padded batches)
 # A tiny model; scheduled sampling decays within the few steps, so its keyed coins are exercised.
 TINY_DCRNN = [
     "--cache-dir",
@@ -48,23 +46,8 @@ TINY_DCRNN = [
 ]
 
 
-@pytest.fixture(scope="session")
-def synth_data():
-    """The generated network, written once (atomically, under a lock: parallel pytest processes share it)."""
-    from filelock import FileLock
-
-    DATA_CACHE.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(DATA_CACHE / ".dcrnn-synth.lock")):
-        if not (SYNTH / "adj_mx.pkl").exists():
-            partial = SYNTH.with_name(SYNTH.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            write_dataset(partial, *generate(sensors=10, days=5, seed=0, progress=False))
-            os.replace(partial, SYNTH)
-    return SYNTH
-
-
 def args(*extra):
-    return [*TINY_DCRNN, "--data", str(SYNTH), *extra]
+    return [*TINY_DCRNN, "--data", str(DCRNN_SYNTH), *extra]
 
 
 def readings_by_hand(synth_data):
@@ -168,8 +151,8 @@ def _bad_data(kind):
     """A data directory (in the case's own directory) with one bad file, made from the good generated one."""
 
     def make(case_dir):
-        frame = pd.read_hdf(SYNTH / "metr-la.h5", key="df")
-        with open(SYNTH / "adj_mx.pkl", "rb") as handle:
+        frame = pd.read_hdf(DCRNN_SYNTH / "metr-la.h5", key="df")
+        with open(DCRNN_SYNTH / "adj_mx.pkl", "rb") as handle:
             ids, _, adjacency = pickle.load(handle)
         out = case_dir / "data"
         if kind == "no-time-index":

@@ -126,6 +126,7 @@ SCRIPT = textwrap.dedent(
     import json
     import sys
 
+    import toolkit  # noqa: F401  first: it ends the process group at exit (toolkit.shutdown)
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -149,7 +150,6 @@ SCRIPT = textwrap.dedent(
         result["cases"][name] = {"rows": len(x[rows]), "count": count.tolist(), "mean": mean.tolist(),
                                  "std": std_from_moments(count, m2).tolist(), "errors": error_metrics(total)}
     json.dump(result, open(f"{out}/rank{rank}.json", "w"))
-    dist.destroy_process_group()  # as recipes do at the end: a process exiting with a live gloo group may abort
     """
 )
 

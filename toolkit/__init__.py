@@ -2,7 +2,8 @@
 the process, so a signal that arrives while a recipe is still importing torch or preparing data is not lost:
 the recipes import `toolkit` first, and the training loop checkpoints and stops at its next step. Under a launcher,
 importing it also starts the watch that stops this worker when the launcher dies (toolkit.orphans), as early as
-possible: a launcher killed during start-up must not leave a worker waiting for a rendezvous."""
+possible: a launcher killed during start-up must not leave a worker waiting for a rendezvous. And at exit it ends
+what the process left running, its process group included (toolkit.shutdown), so that no script ends one by hand."""
 
 import signal
 import threading
@@ -18,6 +19,7 @@ def _remember(signum, frame) -> None:
 if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
     signal.signal(signal.SIGUSR1, _remember)
 
-from toolkit import orphans  # noqa: E402  after the signal handler: that one must come first
+from toolkit import orphans, shutdown  # noqa: E402  after the signal handler: that one must come first
 
 orphans.stop_when_launcher_dies()
+shutdown.release_at_exit()

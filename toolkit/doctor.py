@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit import shutdown
 from toolkit.errors import UsageError, write_line
 
 FAULT_ENV = "TOOLKIT_DOCTOR_INJECT_FAULT"
@@ -489,7 +490,7 @@ def main(args: argparse.Namespace) -> int:
         # Leave together: an elastic launcher kills the other ranks as soon as one exits non-zero, which would cut
         # the main process off before its report is out.
         group.barrier()
-        dist.destroy_process_group()
+        shutdown.release()
     return 0 if not failed else 1
 
 

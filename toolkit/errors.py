@@ -17,13 +17,22 @@ def exit_on_usage_error(main):
     def wrapper(*args, **kwargs):
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "
+        from toolkit import shutdown
+
+        broken = True
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+            broken = False
+            return result
         except UsageError as error:
+            broken = False  # every rank checks the same input and stops: the group can be ended
             # Every rank checks the same input: rank 0 speaks for all (one line), the others exit quietly.
             if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
                 _say(f"{prefix}error: {error}")
             raise SystemExit(2) from None
+        except SystemExit as exit_:
+            broken = exit_.code not in (0, None, 2)  # pre-emption (0) and bad flags (2) end on every rank
+            raise
         except Exception as error:
             from toolkit.distributed import lost_peers_message
 
@@ -33,9 +42,8 @@ def exit_on_usage_error(main):
             _say(f"{prefix}error: {message}")
             raise SystemExit(1) from None
         finally:
-            from toolkit.distributed import stop_watching_peers
-
-            stop_watching_peers()  # join the heartbeat thread while the process group still exists
+            # Heartbeat, launcher watch and process group end here, while the interpreter is whole (toolkit.shutdown).
+            shutdown.release(broken=broken)
 
     return wrapper
 

@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint, preemption, randomness
+from toolkit import checkpoint, preemption, randomness, shutdown
 from toolkit.errors import UsageError
 from toolkit.randomness import step_seed
 from toolkit.run import Run
@@ -281,10 +281,9 @@ class TrainingLoop:
                 sys.stdout.flush()
 
             preemption.requeue_job(self.config.max_requeues, announce)
-        self.accelerator.wait_for_everyone()
         if self._bar is not None:
             self._bar.close()
-        self.accelerator.end_training()
+        shutdown.end_process_group(self.accelerator)  # all ranks leave together
         raise SystemExit(0)
 
     def _diverged(self, what: str) -> None:
@@ -455,7 +454,8 @@ class TrainingLoop:
             plot_curves(run.output_dir, self.main_metric)
         if self._test_metrics:
             self.accelerator.log({f"best/{k}": v for k, v in self._test_metrics.items()}, step=progress.global_step)
-        self.accelerator.end_training()
+        # All ranks leave together (rank 0 may still be writing the plot), then the trackers and the group end.
+        shutdown.end_process_group(self.accelerator)
         return summary
 
     def load_weights(self, checkpoint_dir: Path) -> None:

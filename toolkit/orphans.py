@@ -17,6 +17,7 @@ import os
 import threading
 
 _watching = False
+_watch: tuple[threading.Thread, threading.Event] | None = None
 
 
 def is_python_process(pid: int) -> bool:
@@ -47,7 +48,7 @@ def _stop(what: str) -> None:
 
 def stop_when_launcher_dies(interval: float = 0.25) -> None:
     """Start the watch (once per process; only under a torchrun-style launcher)."""
-    global _watching
+    global _watching, _watch
     if _watching or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     _watching = True
@@ -61,4 +62,17 @@ def stop_when_launcher_dies(interval: float = 0.25) -> None:
             if os.getppid() != launcher:
                 _stop(f"the launcher (pid {launcher}) died")
 
-    threading.Thread(target=watch, name="toolkit-launcher-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="toolkit-launcher-watch", daemon=True)
+    thread.start()
+    _watch = (thread, stop)
+
+
+def stop_watching() -> None:
+    """End the watch (toolkit.shutdown.release, as the process ends): no thread of ours outlives the interpreter."""
+    global _watch
+    if _watch is not None:
+        thread, stop = _watch
+        _watch = None
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join()

@@ -32,7 +32,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, orphans, preemption
+from toolkit import checkpoint, orphans, preemption, shutdown
 from toolkit.config import TrainConfig
 from toolkit.distributed import watch_peers
 from toolkit.errors import UsageError, write_line
@@ -131,6 +131,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     if config.deterministic:  # cuBLAS needs this before CUDA starts, or use_deterministic_algorithms raises
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The process group first (with our timeout), so the main process can choose the run dir and share it.
+    shutdown.before_process_group()  # so that the group, its threads and the heartbeat end before the interpreter
     state = PartialState(cpu=use_cpu, timeout=timeout)
     _check_machines_agree(state)
     if config.batch_size % state.num_processes:
