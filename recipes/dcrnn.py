@@ -49,6 +49,7 @@ from toolkit.data.traffic import (  # noqa: E402
     prepare_traffic,
     split_windows,
 )
+from toolkit.devices import pin_memory  # noqa: E402
 from toolkit.distributed import global_mean  # noqa: E402
 from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
         meta["fingerprint"], source=meta["source"], sensors=meta["num_sensors"], timesteps=meta["num_timesteps"]
     )
     minutes = meta["interval_minutes"]
-    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    loader_args = dict(
+        batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
+    )
     # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
     train_loader = DataLoader(split.train, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(split.valid, shuffle=False, **loader_args)

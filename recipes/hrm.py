@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
 from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.sudoku import Recipe, load_sudoku, split  # noqa: E402
+from toolkit.devices import pin_memory  # noqa: E402
 from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
 from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios  # noqa: E402
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     valid_set = split(stored, meta, "val").select_columns(columns)
     test_set = split(stored, meta, "test").select_columns(columns)
     check_batch_fits(cfg.batch_size, len(train_set))  # a built dataset or CSVs: known once loaded
-    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    loader_args = dict(
+        batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
+    )
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     test_loader = DataLoader(test_set, shuffle=False, **loader_args)

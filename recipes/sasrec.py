@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
 from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens  # noqa: E402
+from toolkit.devices import pin_memory  # noqa: E402
 from toolkit.distributed import global_mean  # noqa: E402
 from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     negatives_table = torch.zeros(split.num_users, cfg.eval_negatives, dtype=torch.long)
     negatives_table[split.eval_users] = eval_negatives
     negatives_table = negatives_table.to(accelerator.device)
-    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    loader_args = dict(
+        batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
+    )
     # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)

@@ -66,10 +66,10 @@ def read_json(path: Path) -> dict:
 
 
 def ranks_seen(output: str) -> set[tuple[int, int]]:
-    """(rank, world size) pairs the processes announced from inside ("[rank r/w] host=..." lines)."""
+    """(rank, world size) pairs the processes announced from inside (lines that start "[rank r/w]")."""
     import re
 
-    return {(int(r), int(w)) for r, w in re.findall(r"^\[rank (\d+)/(\d+)\] host=", output, re.MULTILINE)}
+    return {(int(r), int(w)) for r, w in re.findall(r"^\[rank (\d+)/(\d+)\](?: |$)", output, re.MULTILINE)}
 
 
 def logged_steps(run_dir: Path) -> int:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 # end that is also an evaluation and a checkpoint step, and step 9 is an evaluation + checkpoint step mid-epoch.
 TOY_ARGS = ["--eval-every-steps", "3", "--checkpoint-every", "3", "--keep-checkpoints", "20"]
 TIMING = {"epoch_time_sec", "throughput_samples_per_sec", "data_load_time_sec", "compute_time_sec", "cpu_util_avg",
-          "gpu_util_avg"}
+          "gpu_util_avg", "peak_memory_mb"}
 
 
 def metrics_rows(run_dir):

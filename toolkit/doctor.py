@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import shutdown
+from toolkit.devices import runs_on_cpu
 from toolkit.errors import UsageError, write_line
 
 FAULT_ENV = "TOOLKIT_DOCTOR_INJECT_FAULT"
@@ -399,7 +400,7 @@ def main(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
-        state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=args.timeout))
+        state = PartialState(cpu=runs_on_cpu(), timeout=timedelta(seconds=args.timeout))
     except Exception as error:
         rank = os.environ.get("RANK", "0")
         write_line(

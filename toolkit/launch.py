@@ -22,7 +22,10 @@ def main(argv: list[str]) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from toolkit import shutdown
     from toolkit.errors import UsageError
+
+    shutdown.not_a_worker()
 
     if os.environ.pop("_TOOLKIT_QUIET_LAUNCHER", None):
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)  # quiet launcher (see __main__), normal workers

@@ -360,6 +360,7 @@ class TrainingLoop:
             "compute_time_sec": round(timer.compute_sec, 4) if timed else None,
             "cpu_util_avg": psutil.cpu_percent(),
             "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
+            "peak_memory_mb": _peak_memory_mb(self.accelerator.device),
             "world_size": self.accelerator.num_processes,
         }
         progress.train_time_sec += interval if timed else 0.0
@@ -478,6 +479,16 @@ def _size(path: Path) -> int:
 
 def _short(value):
     return f"{value:.4f}" if isinstance(value, float) else value
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """The most memory this process has held so far: on a GPU, what PyTorch's allocator handed out on it (the
+    figure that must fit on the card); on the CPU, the process's peak resident set (Linux: ru_maxrss in KiB)."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def _gpu_utilisation() -> float | None:

@@ -34,6 +34,7 @@ from accelerate.utils import (
 
 from toolkit import checkpoint, orphans, preemption, shutdown
 from toolkit.config import TrainConfig
+from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
 from toolkit.errors import UsageError, write_line
 from toolkit.tracking import tracker_choice, tracker_init_kwargs
@@ -126,7 +127,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     accelerator_kwargs: further Accelerator(...) arguments.
     """
     orphans.stop_when_launcher_dies()
-    use_cpu = not torch.cuda.is_available()
+    use_cpu = runs_on_cpu()  # also honours a CPU launch config on a GPU machine
     timeout = timedelta(seconds=config.dist_timeout)
     if config.deterministic:  # cuBLAS needs this before CUDA starts, or use_deterministic_algorithms raises
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

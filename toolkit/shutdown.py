@@ -10,7 +10,8 @@ job FAILED. What was left running, and what ends it here:
   them: importing `torch._dynamo` (DDP does it in its constructor) while a process group exists keeps 9 references
   to it for the life of the process, so the group outlived every DDP model and every destroy. `before_process_group`
   imports it first (`toolkit.run.start_run` calls it), after which destroying the group and freeing the model
-  really ends its threads.
+  really ends its threads. And the DDP models' Reducers are freed before the group is destroyed (release_reducers
+  says why: otherwise freeing the model joins gloo's threads holding the GIL, and a thread that needs it hangs).
 - the heartbeat thread (toolkit.distributed.PeerWatch) and its store client: stopped and joined.
 - the launcher watch (toolkit.orphans): stopped and joined.
 - DataLoader workers: they end with their iterators, which are gone once the recipe's main() has returned.
@@ -28,11 +29,13 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 import threading
 
 from toolkit.errors import write_line
 
 EXIT_REPORT = "TOOLKIT_EXIT_REPORT"
+_launcher = False
 _broken = False  # a peer was lost or an unexpected error ended main(): the group is not destroyed (it could hang)
 
 
@@ -50,6 +53,7 @@ def end_process_group(accelerator, together: bool = True) -> None:
     if together and accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
     stop_watching_peers()
+    release_reducers()
     accelerator.end_training()  # trackers' finish, then destroy_process_group
 
 
@@ -60,17 +64,40 @@ def release(broken: bool = False) -> None:
     anyway. Idempotent."""
     global _broken
     from toolkit import orphans
-    from toolkit.distributed import stop_watching_peers
 
     _broken = _broken or broken
-    stop_watching_peers()
-    if not _broken:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    # Only what this process imported can be running: a command that never imported torch (a data tool, a usage
+    # error) must not pay for importing it here, at exit.
+    peers = sys.modules.get("toolkit.distributed")
+    if peers is not None:
+        peers.stop_watching_peers()
+    dist = sys.modules.get("torch.distributed")
+    if not _broken and dist is not None and dist.is_available() and dist.is_initialized():
+        release_reducers()
+        dist.destroy_process_group()
     gc.collect()  # models in reference cycles hold the group's backend: free them while the interpreter is whole
     orphans.stop_watching()
+
+
+def release_reducers() -> None:
+    """Free the C++ Reducer (and its Logger) of every DDP model before the process group is destroyed.
+
+    The group's Python object releases the GIL before its C++ destructor joins gloo's threads (torch wraps it for
+    that); a Reducer does not. A Reducer that outlives destroy_process_group() is the group's last owner, so the join
+    runs when the DDP model is freed (when main() returns), holding the GIL, while a gloo thread that is finishing
+    the last collective waits for the GIL to free that collective's tensors: the process hangs for ever (seen, about
+    1 run in 40: `~ProcessGroupGloo -> thread::join` against `AsyncAllgatherWork::~AsyncAllgatherWork ->
+    gil_scoped_acquire`). The models are over by then; only their forward, which needs the Reducer, is gone."""
+    parallel = sys.modules.get("torch.nn.parallel.distributed")
+    dist = sys.modules.get("torch.distributed")
+    if parallel is None or dist is None or not dist.is_initialized():
+        return  # no DDP model was ever made, or no group to outlive
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance() of a dead weak proxy (torch.compile leaves some) raises
+        if issubclass(type(obj), parallel.DistributedDataParallel):
+            for name in ("logger", "reducer"):  # the Logger holds the Reducer
+                obj.__dict__.pop(name, None)
+    gc.collect()
 
 
 def release_at_exit() -> None:
@@ -103,9 +130,15 @@ def live_threads() -> list[str]:
     return names
 
 
+def not_a_worker() -> None:
+    """This process launches workers (toolkit.launch): no exit report of its own, which would read as a rank's."""
+    global _launcher
+    _launcher = True
+
+
 def _at_exit() -> None:
     release()
-    if os.environ.get(EXIT_REPORT):
+    if os.environ.get(EXIT_REPORT) and not _launcher:
         threads = live_threads()
         rank = os.environ.get("RANK", "0")
         write_line(f"[rank {rank}] threads at exit: {len(threads)} ({', '.join(threads) or 'none'})")

@@ -30,8 +30,11 @@ TRAILING_COLUMNS = [
     "compute_time_sec",
     "cpu_util_avg",
     "gpu_util_avg",
+    "peak_memory_mb",
     "world_size",
 ]
+# Columns added after runs had been written: verify does not require them, and a resumed older run keeps its header.
+OPTIONAL_COLUMNS = {"peak_memory_mb"}
 
 
 class CSVTracker(GeneralTracker):
@@ -115,8 +118,13 @@ class MetricsFile:
 
     def append(self, row: dict) -> None:
         new = not self.path.exists()
+        columns = list(row)
+        if not new:
+            with open(self.path, newline="") as handle:
+                columns = list(csv.DictReader(handle).fieldnames or row)
         with open(self.path, "a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(row))
+            # A file written before a column was added keeps its header: the row's extra columns are left out.
+            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
             if new:
                 writer.writeheader()
             writer.writerow({k: "" if v is None else v for k, v in row.items()})

@@ -34,6 +34,7 @@ from toolkit.tracking import (
     CURVES_FILE,
     LEADING_COLUMNS,
     METRICS_FILE,
+    OPTIONAL_COLUMNS,
     SUMMARY_FILE,
     TRAILING_COLUMNS,
 )
@@ -201,7 +202,7 @@ def _metrics(rows: list[dict] | None, columns: list[str], summary: dict | None) 
     if check:
         return check
     check = Check("metrics")
-    missing = [c for c in LEADING_COLUMNS + TRAILING_COLUMNS if c not in columns]
+    missing = [c for c in LEADING_COLUMNS + TRAILING_COLUMNS if c not in columns and c not in OPTIONAL_COLUMNS]
     if missing:
         check.problems.append(f"{METRICS_FILE} lacks column(s) {', '.join(missing)}")
     if not any(c.startswith("val_") for c in columns):
