@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+
+# isort: split
 from dataclasses import dataclass  # noqa: E402
 from typing import Literal  # noqa: E402
 
@@ -34,7 +37,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import toolkit  # noqa: E402, F401  first: SIGUSR1 (pre-emption) only sets a flag from here on
 from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens  # noqa: E402
 from toolkit.devices import pin_memory  # noqa: E402

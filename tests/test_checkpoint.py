@@ -43,7 +43,7 @@ def test_auto_ignores_incomplete_and_explicit_path_rejects_it(tmp_path, accelera
         checkpoint.resolve_checkpoint_path(shutil.copytree(tmp_path / "checkpoints" / "step_5", tmp_path / "x"))
 
 
-def test_pruning_keeps_newest_best_and_never_touches_incomplete(tmp_path, accelerator):
+def test_pruning_keeps_newest_best_and_leaves_incomplete_ones_to_the_next_save(tmp_path, accelerator):
     model = accelerator.prepare(torch.nn.Linear(3, 2))
     for step in (1, 2, 3, 4, 5):
         _save(accelerator, tmp_path, step, model)
@@ -59,3 +59,66 @@ def test_saving_a_step_again_keeps_the_old_one_aside(tmp_path, accelerator):
     _save(accelerator, tmp_path, 4, model)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names[0] == "step_4" and names[1].startswith("step_4.replaced-")
+
+
+def test_auto_names_every_newer_checkpoint_it_skips_incomplete_or_damaged(tmp_path, accelerator):
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    for step in (2, 4, 6):
+        _save(accelerator, tmp_path, step, model)
+    (tmp_path / "checkpoints" / "step_6" / "COMPLETE").unlink()  # its save died before the marker
+    (tmp_path / "checkpoints" / "step_4" / "model.safetensors").write_bytes(b"damaged")
+    said = []
+    assert checkpoint.newest_intact(tmp_path, say=said.append).name == "step_2"
+    assert len(said) == 2
+    assert "step_6 is skipped: it is incomplete (no COMPLETE marker" in said[0] and "from step_2" in said[0]
+    assert "step_4 is skipped: model.safetensors does not match its sha256" in said[1]
+
+
+def test_a_file_the_manifest_does_not_list_is_damage(tmp_path, accelerator):
+    import json
+
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    _save(accelerator, tmp_path, 3, model)
+    path = _save(accelerator, tmp_path, 5, model)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    del manifest["files"]["model.safetensors"]  # the entry dropped: the file would go unchecked
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert checkpoint.damage_of(path) == "model.safetensors is not listed in MANIFEST.json"
+    assert checkpoint.resolve_checkpoint_path(tmp_path).name == "step_3"  # auto (a run dir) skips it
+    with pytest.raises(UsageError, match="is damaged: model.safetensors is not listed"):
+        checkpoint.resolve_checkpoint_path(path)
+    (path / "notes.txt").write_text("added later")  # an added file, too
+    assert checkpoint.damage_of(path).startswith("model.safetensors is not listed")
+
+
+def test_leftovers_of_interrupted_saves_and_prunes_are_named_and_the_next_save_removes_them(tmp_path, accelerator):
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    for step in (1, 2, 3):
+        _save(accelerator, tmp_path, step, model)
+    root = tmp_path / "checkpoints"
+    (root / "step_3" / "COMPLETE").unlink()  # an older toolkit's prune killed halfway, or a save before its marker
+    shutil.copytree(root / "step_1", root / ".step_1.pruning")  # a prune killed during its rmtree
+    (root / ".step_7.saving").mkdir()  # a save killed while staging
+    found = {p.name: why for p, why in checkpoint.leftovers(tmp_path)}
+    assert set(found) == {"step_3", ".step_1.pruning", ".step_7.saving"}
+    assert "interrupted" in found["step_3"] and "pruning" in found[".step_1.pruning"]
+    said = []
+    checkpoint.save_checkpoint(accelerator, tmp_path, 4, {"global_step": 4}, say=said.append)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2", "step_4"]
+    assert sorted(line.split(":")[0] for line in said) == [
+        "removing checkpoints/.step_1.pruning", "removing checkpoints/.step_7.saving", "removing checkpoints/step_3"]
+
+
+def test_a_prune_renames_before_it_deletes(tmp_path, accelerator, monkeypatch):
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    for step in (1, 2, 3):
+        _save(accelerator, tmp_path, step, model)
+
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt  # the process dies inside the deletion
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(accelerator, tmp_path, keep=2, protect=set())
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [".step_1.pruning", "step_2", "step_3"]  # never a step_1 that looks like a checkpoint

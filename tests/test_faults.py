@@ -208,3 +208,45 @@ def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_d
     assert not list(root.glob(".step_*.saving"))  # no staging dir left behind
     complete = checkpoint.complete_checkpoints(out)
     assert complete and all(checkpoint.damage_of(p) is None for p in complete)
+
+
+def fill(disk) -> None:
+    """Fill a tmpfs to the last byte."""
+    with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as handle:
+        while True:
+            handle.write(b"\0" * 4096)
+
+
+def test_a_full_disk_when_the_run_directory_is_taken_is_one_line(small_disk):
+    fill(small_disk)
+    out = small_disk / "run"
+    result = run_recipe([*ARGS, "--output-dir", str(out)], recipe=TOY, check=False)
+    errors = error_lines(result)
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert f"no space left on the disk at {small_disk}" in errors[0], errors
+    assert "Traceback" not in result.stderr
+
+
+def test_a_full_disk_inside_safetensors_is_named_as_one(small_disk):
+    """safetensors raises SafetensorError (not OSError) when the model's file does not fit."""
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(1000, 1000))  # 4 MB of weights on a 400 kB disk
+    with pytest.raises(checkpoint.UsageError) as error:
+        checkpoint.save_checkpoint(accelerator, small_disk / "run", 1, {"global_step": 1})
+    assert str(error.value).startswith(f"no space left on the disk at {small_disk}")
+    assert not list((small_disk / "run" / "checkpoints").iterdir())  # the staging directory is removed
+
+
+def test_a_full_disk_while_writing_an_artifact_is_one_line(small_disk, monkeypatch):
+    from toolkit.run import Run
+
+    run = Run.__new__(Run)  # only what write_artifact uses
+    run.output_dir = small_disk
+    monkeypatch.setattr(Run, "is_main", property(lambda self: True))
+    fill(small_disk)
+    with pytest.raises(checkpoint.UsageError, match=f"no space left on the disk at {small_disk}"):
+        run.write_artifact("plot.png", lambda path: path.write_bytes(b"x" * 100_000))
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no partial file left

@@ -131,6 +131,28 @@ def test_bad_csv_rows_are_named_by_file_and_line(tmp_path, question, answer, fra
     assert f"{path} line 4" in str(error.value) and fragment in str(error.value)
 
 
+def test_a_csv_with_a_byte_order_mark_or_crlf_line_ends_reads_as_the_plain_one(tmp_path):
+    rows = _csv_rows(3, 5)
+    _write_csv(tmp_path / "plain.csv", rows)
+    plain = (tmp_path / "plain.csv").read_bytes()
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + plain)  # Excel's "CSV UTF-8"
+    (tmp_path / "crlf.csv").write_bytes(plain.replace(b"\n", b"\r\n"))
+    (tmp_path / "both.csv").write_bytes(b"\xef\xbb\xbf" + plain.replace(b"\n", b"\r\n"))
+    expected = sudoku.read_csv(tmp_path / "plain.csv")
+    for name in ("bom.csv", "crlf.csv", "both.csv"):
+        assert sudoku.read_csv(tmp_path / name) == expected, name
+
+
+@pytest.mark.parametrize("column", ["source", "rating"])
+def test_a_nul_byte_anywhere_in_a_row_is_named(tmp_path, column):
+    source, question, answer, rating = _csv_rows(2, 6)[1]
+    row = (source + "\x00", question, answer, rating) if column == "source" else (source, question, answer, "3\x00")
+    path = tmp_path / "train.csv"
+    _write_csv(path, [_csv_rows(1, 7)[0], row])
+    with pytest.raises(UsageError, match=f"{path} line 3: {column} holds a NUL byte"):
+        sudoku.read_csv(path)
+
+
 def test_cli_builds_a_dataset_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "built"
     command = [sys.executable, "-m", "toolkit.data.sudoku", "build", "--out", str(out), "--train-puzzles", "3",

@@ -162,6 +162,19 @@ def test_non_finite_loss_or_metric_stops_with_one_line_and_keeps_the_good_checkp
     assert "best one (step_6)" in errors[0]
 
 
+def test_an_exploding_loss_stops_like_a_non_finite_one_unless_turned_off(tmp_path):
+    out = tmp_path / "run"
+    result = run_recipe([*TOY_ARGS, "--explode-at-step", "8", "--output-dir", str(out)], recipe=TOY, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    assert "the training loss exploded to" in errors[0] and "at step 8, more than --max-loss-ratio 1e+06 x" in errors[0]
+    assert not (out / "summary.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    off = tmp_path / "off"
+    run_recipe([*TOY_ARGS, "--explode-at-step", "8", "--max-loss-ratio", "0", "--output-dir", str(off)], recipe=TOY)
+    assert verify_run(off) == []
+
+
 def test_every_new_best_between_checkpoints_is_saved(tmp_path):
     # Evaluations every 2 steps, checkpoints only at epoch ends (every 6 steps): a new best at step 2, 4, 8...
     # still gets its checkpoint, or load_best() would have nothing to load.

@@ -80,6 +80,22 @@ def test_final_checkpoint_without_complete_marker(damaged):
     assert verify_cli(damaged).returncode == 1
 
 
+@pytest.mark.parametrize("leftover", ["step_2", ".step_2.pruning", ".step_4.saving"])
+def test_leftovers_of_interrupted_saves_and_prunes_are_named(damaged, leftover):
+    shutil.copytree(damaged / "checkpoints" / "step_3", damaged / "checkpoints" / leftover)
+    (damaged / "checkpoints" / leftover / "COMPLETE").unlink()
+    problems = verify_run(damaged)
+    assert len(problems) == 1 and has(problems, "checkpoints:", f"checkpoints/{leftover} is a leftover"), problems
+
+
+def test_a_checkpoint_file_missing_from_the_manifest_is_damage(damaged):
+    manifest = damaged / "checkpoints" / "step_3" / "MANIFEST.json"
+    entries = json.loads(manifest.read_text())
+    del entries["files"]["model.safetensors"]
+    manifest.write_text(json.dumps(entries))
+    assert has(verify_run(damaged), "step_3 is damaged: model.safetensors is not listed in MANIFEST.json")
+
+
 def test_world_size_disagreement(damaged):
     edit_json(damaged / "summary.json", world_size=2)
     problems = verify_run(damaged)

@@ -10,7 +10,8 @@ What it exercises (each can be switched off to show the test notices):
 - rank-free per-sample coins (`keyed_uniform`): input features dropped per sample (`--feature-drop`);
 - keyed dropout (`--dropout`), so N processes match one process with dropout on;
 - early stopping with `loop.request_stop` from the evaluation (`--patience`), step cadence (`--eval-every-steps`);
-- test hooks that make the loss or the validation metric NaN at a step (`--diverge-at-step`, `--nan-metric-at-step`);
+- test hooks that make the loss or the validation metric NaN at a step (`--diverge-at-step`,
+  `--nan-metric-at-step`) or explode (`--explode-at-step`);
 - the split finish: best weights loaded, test metrics, then an artifact computed WITH gradients and a collective
   (the input Jacobian, summed over ranks) before the process group ends;
 - DDP arguments through start_run (broadcast_buffers=False, printed by every rank).
@@ -52,6 +53,8 @@ class ToyConfig(TrainConfig):
     min_delta: float = 0.0
     diverge_at_step: int = 0
     """Test hook: the training loss becomes NaN at this step (0 = never)."""
+    explode_at_step: int = 0
+    """Test hook: the training loss is multiplied by 1e7 at this step (0 = never)."""
     nan_metric_at_step: int = 0
     """Test hook: val_mse is NaN when evaluated at this step (0 = never)."""
     optimizer: str = "sgd"
@@ -168,6 +171,8 @@ def main(argv=None):
                 local = (prediction - batch["y"]).pow(2).mean()
                 if loop.progress.global_step + 1 == cfg.diverge_at_step:
                     local = local * float("nan")
+                if loop.progress.global_step + 1 == cfg.explode_at_step:
+                    local = local * 1e7
                 loss_value = accelerator.reduce(local.detach(), reduction="mean")
                 scale = ema.value.float().item() if cfg.loss_ema else 1.0
                 accelerator.backward(local / scale)

@@ -2,10 +2,12 @@
 
 Every rank writes its part (random states, per-rank state) into a temporary sibling directory; after a barrier the
 main process writes progress.json and MANIFEST.json (sha256 of every file), renames the directory to step_<N> and
-writes the COMPLETE marker last. A directory without the marker is an interrupted save: `auto` ignores it, an
-explicit --resume-from rejects it, pruning never deletes it, the next save removes its staging leftovers.
-A complete checkpoint whose files do not match the manifest is damaged: `auto` skips it (one line naming the file
-and the older checkpoint used instead), an explicit --resume-from refuses it.
+writes the COMPLETE marker last. Pruning renames a checkpoint to `.step_<N>.pruning` before deleting it. What a kill
+leaves behind (a `.saving` or `.pruning` directory, a step_<N> without its marker) is a leftover: `auto` names each
+one newer than the checkpoint it resumes from, an explicit --resume-from rejects it, verify names it, and the next
+save removes it (one line each). A complete checkpoint whose files do not match the manifest (a file changed,
+missing, or not listed in it) is damaged: `auto` skips it with one line naming the file, an explicit --resume-from
+refuses it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from toolkit.errors import UsageError
 
@@ -91,19 +95,43 @@ def resolve_checkpoint_path(path: Path) -> Path:
 
 
 def newest_intact(run_dir: Path, say=print) -> Path | None:
-    """The newest complete checkpoint whose files match its manifest; each damaged newer one is named (`say`)."""
-    found = complete_checkpoints(run_dir)
+    """The newest complete checkpoint whose files match its manifest; every newer step_N it skips, damaged or
+    incomplete, is named in one line (`say`)."""
+    root = checkpoints_root(run_dir)
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of) \
+        if root.is_dir() else []
     skipped = []
-    for path in reversed(found):
-        damage = damage_of(path)
-        if damage is None:
-            for bad, why in skipped:
-                say(f"warning: checkpoint {bad} is damaged ({why}); resuming from {path.name} instead")
+    for path in reversed(steps):
+        why = INCOMPLETE if not is_complete(path) else damage_of(path)
+        if why is None:
+            for bad, reason in skipped:
+                say(f"warning: checkpoint {bad} is skipped: {reason}; resuming from {path.name} instead")
             return path
-        skipped.append((path, damage))
-    for bad, why in skipped:
-        say(f"warning: checkpoint {bad} is damaged ({why}); no intact checkpoint is older")
+        skipped.append((path, why))
+    for bad, reason in skipped:
+        say(f"warning: checkpoint {bad} is skipped: {reason}; no intact checkpoint is older")
     return None
+
+
+INCOMPLETE = f"it is incomplete (no {MARKER} marker: a save or a prune of it was interrupted)"
+
+
+def leftovers(run_dir: Path) -> list[tuple[Path, str]]:
+    """What interrupted saves and prunes left under checkpoints/, with why each is one (oldest step first)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if not path.is_dir():
+            continue
+        if path.name.startswith(f".{_PREFIX}") and path.name.endswith(".saving"):
+            found.append((path, "the staging directory of an interrupted save"))
+        elif path.name.startswith(f".{_PREFIX}") and path.name.endswith(".pruning"):
+            found.append((path, "a checkpoint whose deletion (pruning) was interrupted"))
+        elif step_of(path) is not None and not is_complete(path):
+            found.append((path, INCOMPLETE))
+    return sorted(found, key=lambda item: item[0].name)
 
 
 def read_progress(checkpoint: Path) -> dict:
@@ -144,6 +172,10 @@ def damage_of(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
             return f"{name} does not match its sha256 in {MANIFEST}"
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()} - {MANIFEST, MARKER}
+    unlisted = sorted(on_disk - set(entries))
+    if unlisted:  # the manifest lists every file a save writes: one it does not list was added or dropped from it
+        return f"{unlisted[0]} is not listed in {MANIFEST}"
     try:
         progress = read_progress(checkpoint)
     except (OSError, ValueError):
@@ -161,7 +193,7 @@ def _state_files(rank: int) -> tuple[str, str]:
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, progress: dict,
-                    shared_state: dict | None = None, rank_state: dict | None = None) -> Path:
+                    shared_state: dict | None = None, rank_state: dict | None = None, say=print) -> Path:
     """Save model/optimizer/scheduler/scaler/RNG states, extra state and the loop's progress; collective.
 
     shared_state: {name: object with state_dict()} the same on every rank (written by the main process);
@@ -175,7 +207,8 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, progress
     try:
         if accelerator.is_main_process:
             root.mkdir(parents=True, exist_ok=True)
-            for leftover in root.glob(f".{_PREFIX}*.saving"):  # our own staging dirs from saves that died
+            for leftover, why in leftovers(run_dir):  # what saves and prunes that died left behind
+                say(f"removing {leftover.relative_to(run_dir)}: {why}")
                 shutil.rmtree(leftover)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(staging), safe_serialization=True)
@@ -193,12 +226,22 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, progress
             staging.rename(final)
             _fsync_dir(root)
             (final / MARKER).write_text(f"step {step}\n")
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        raise disk_error(error, staging) from None
+        raise disk_error(as_os_error(error, staging), staging) from None
     accelerator.wait_for_everyone()
     return final
+
+
+def as_os_error(error: Exception, where: Path) -> OSError:
+    """safetensors reports a failed write as SafetensorError("Error while serializing: I/O error: No space left on
+    device (os error 28)"), not as an OSError: read the errno back out of it, so that a full disk is named as one."""
+    if isinstance(error, OSError):
+        return error
+    code = re.search(r"os error (\d+)|code: (\d+)", str(error))
+    number = int(code.group(1) or code.group(2)) if code else errno.EIO
+    return OSError(number, os.strerror(number), str(where))
 
 
 def disk_error(error: OSError, where: Path) -> UsageError:
@@ -230,9 +273,10 @@ def prune_checkpoints(accelerator: Accelerator, run_dir: Path, keep: int, protec
     complete = complete_checkpoints(run_dir)
     for path in complete[: max(0, len(complete) - keep)]:
         if step_of(path) not in protect:
-            # Remove the marker first: a crash halfway leaves an incomplete dir, never a "complete" broken one.
-            (path / MARKER).unlink()
-            shutil.rmtree(path)
+            # Renamed first (atomic): a kill halfway leaves a .pruning leftover, never a step_N that looks like one.
+            doomed = path.with_name(f".{path.name}.pruning")
+            path.rename(doomed)
+            shutil.rmtree(doomed)
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, shared_state: dict | None = None,

@@ -74,6 +74,9 @@ class TrainConfig:
     """Seconds a collective may wait for a lost or stuck rank before the run fails."""
     max_requeues: int = 3
     """On SIGUSR1 (pre-emption / time limit) the run checkpoints and requeues its SLURM job at most this often."""
+    max_loss_ratio: float = 1e6
+    """Stop the run (one line, like a non-finite loss) when a step's training loss exceeds this many times the first
+    step's: a loss that explodes (e.g. --lr far too high) is not trained on. 0 = off."""
 
 
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)
@@ -145,3 +148,5 @@ def validate(config: TrainConfig) -> None:
                          "this run (e.g. runs/my-run)")
     if not (config.dist_timeout > 0 and math.isfinite(config.dist_timeout)):
         raise UsageError(f"--dist-timeout {config.dist_timeout} is invalid; give seconds > 0")
+    if not (config.max_loss_ratio == 0 or (config.max_loss_ratio > 1 and math.isfinite(config.max_loss_ratio))):
+        raise UsageError(f"--max-loss-ratio {config.max_loss_ratio} is invalid; give a number > 1, or 0 for off")

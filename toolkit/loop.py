@@ -85,6 +85,7 @@ class Progress:
     train_time_sec: float = 0.0
     wall_time_sec: float = 0.0  # wall time of the work this checkpoint keeps, summed over the run's lives
     file_bytes: dict = field(default_factory=dict)  # metrics.csv / log.csv sizes when this checkpoint was saved
+    first_loss: float | None = None  # the first step's training loss: --max-loss-ratio compares against it
 
 
 @dataclass
@@ -238,9 +239,16 @@ class TrainingLoop:
         losses = torch.stack(self._pending_loss).cpu() if self._pending_loss else torch.zeros(0)
         self._pending_loss.clear()
         step_loss = float(losses.mean()) if losses.numel() else float("nan")
-        preempted, diverged, stop = self._agree(preemption._requested, not math.isfinite(step_loss),
+        if progress.first_loss is None and math.isfinite(step_loss):
+            progress.first_loss = step_loss
+        ratio = cfg.max_loss_ratio
+        exploded = bool(ratio) and math.isfinite(step_loss) and abs(step_loss) > ratio * abs(progress.first_loss)
+        preempted, diverged, stop = self._agree(preemption._requested, not math.isfinite(step_loss) or exploded,
                                                 self._stop_request is not None)
         if diverged:
+            if math.isfinite(step_loss) and exploded:
+                self._diverged(f"the training loss exploded to {step_loss:.4g} at step {progress.global_step}, more "
+                               f"than --max-loss-ratio {ratio:g} x the first step's {progress.first_loss:.4g}")
             self._diverged(f"the training loss is {step_loss} at step {progress.global_step}")
         progress.interval_loss_sum += float(losses.sum())
         progress.interval_loss_count += losses.numel()
@@ -365,7 +373,10 @@ class TrainingLoop:
         }
         progress.train_time_sec += interval if timed else 0.0
         if self.run.is_main:
-            MetricsFile(self.run.output_dir).append(row)
+            try:
+                MetricsFile(self.run.output_dir).append(row)
+            except OSError as error:  # a full disk: one line naming it; the checkpoints stay as they are
+                raise checkpoint.disk_error(error, self.run.output_dir / METRICS_FILE) from None
             tqdm.write(" ".join(f"{k}={_short(v)}" for k, v in row.items() if k in metrics or k in LEADING_COLUMNS))
         self.accelerator.log(dict(metrics) | {"train/mean_loss": train_loss or 0.0}, step=progress.global_step)
         if scheduled:
@@ -394,7 +405,7 @@ class TrainingLoop:
         self.progress.wall_time_sec += now - self._wall_mark
         self._wall_mark = now
         checkpoint.save_checkpoint(self.accelerator, self.run.output_dir, step, dataclasses.asdict(self.progress),
-                                   self.shared_state, self.rank_state)
+                                   self.shared_state, self.rank_state, say=tqdm.write)
         self._last_saved_step = step
         protect = {self.progress.best_step} if self.progress.best_step is not None else set()
         checkpoint.prune_checkpoints(self.accelerator, self.run.output_dir, self.config.keep_checkpoints, protect)
@@ -451,8 +462,11 @@ class TrainingLoop:
             **(extra or {}),
         }
         if run.is_main:
-            write_json(run.output_dir / SUMMARY_FILE, summary)
-            plot_curves(run.output_dir, self.main_metric)
+            try:
+                write_json(run.output_dir / SUMMARY_FILE, summary)
+                plot_curves(run.output_dir, self.main_metric)
+            except OSError as error:
+                raise checkpoint.disk_error(error, run.output_dir) from None
         if self._test_metrics:
             self.accelerator.log({f"best/{k}": v for k, v in self._test_metrics.items()}, step=progress.global_step)
         # All ranks leave together (rank 0 may still be writing the plot), then the trackers and the group end.

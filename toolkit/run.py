@@ -8,6 +8,7 @@ see exactly the batches one process would; the timeout reaches the first Partial
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -79,6 +80,8 @@ class Run:
             try:
                 write(partial)
                 partial.replace(path)
+            except OSError as error:  # a full disk: one line naming it
+                raise checkpoint.disk_error(error, path) from None
             finally:
                 partial.unlink(missing_ok=True)
         return path
@@ -243,7 +246,8 @@ def _shared(state: PartialState, make):
 # saves, how it waits; never what a step computes. Any other change is refused.
 RESUMABLE_CHANGES = {
     "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
-    "dist_timeout", "num_workers", "max_requeues", "output_dir", "resume_from", "run_name", "cache_dir",
+    "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
+    "cache_dir",
 }
 
 
@@ -402,10 +406,15 @@ def _take_run_dir(run: Run) -> None:
         handle.close()
         raise UsageError(f"{run.output_dir} is in use by a live run ({holder}); wait for it to end or stop it, "
                          "or use another --output-dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        handle.flush()
+    except OSError as error:  # a full disk: even the lock's one line does not fit
+        with contextlib.suppress(OSError):
+            handle.close()  # its flush fails again; the file is closed all the same
+        raise checkpoint.disk_error(error, run.output_dir / LOCK_FILE) from None
     _held_lock = handle
     try:
         _write_config_json(run)

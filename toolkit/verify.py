@@ -9,7 +9,8 @@ Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py
                  global_step; train_loss finite in every row
     results      final_metrics and best_metrics present, numbers finite (test_metrics_at_best too, when present)
     checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker);
-                 every complete checkpoint's files match its MANIFEST.json (sha256)
+                 every complete checkpoint's files match its MANIFEST.json (sha256), which lists every file;
+                 no leftovers of interrupted saves or prunes (.step_N.saving, .step_N.pruning, step_N w/o marker)
     world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size); a process
                  count may change only at a resume recorded in config.json's world_sizes
     backend      config.json's backend is --expect-backend (only with that flag; `none` = a single process)
@@ -285,6 +286,11 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
         damage = checkpoint.damage_of(path)
         if damage:
             check.problems.append(f"{path.relative_to(run_dir)} is damaged: {damage}")
+    named = {str(root / f"step_{n}") for _, n in wanted if n is not None}  # already named above
+    for path, why in checkpoint.leftovers(run_dir):
+        if str(path) not in named:
+            check.problems.append(f"{path.relative_to(run_dir)} is a leftover: {why}; the run's next save removes "
+                                  "it, or delete it")
     return check
 
 

@@ -321,7 +321,7 @@ def read_csv(path: Path | str) -> list[tuple[list[int], list[int], int]]:
     """[(question, answer, rating)] of a Sudoku-Extreme CSV, every row checked (errors name the file and line)."""
     path = Path(path)
     try:
-        handle = open(path, newline="", encoding="utf-8")
+        handle = open(path, newline="", encoding="utf-8-sig")  # a byte-order mark (Excel's UTF-8 CSV) is fine
     except OSError as error:
         raise UsageError(f"{path} cannot be read ({error.strerror}); give a Sudoku-Extreme CSV") from None
     puzzles = []
@@ -336,6 +336,11 @@ def read_csv(path: Path | str) -> list[tuple[list[int], list[int], int]]:
                 line = reader.line_num
                 if not row:
                     continue
+                nul = next((CSV_COLUMNS[i] if i < len(CSV_COLUMNS) else f"field {i + 1}"
+                            for i, field in enumerate(row) if "\x00" in field), None)
+                if nul is not None:
+                    raise UsageError(f"{path} line {line}: {nul} holds a NUL byte; the file is damaged (a text CSV "
+                                     "has none)")
                 if len(row) != len(CSV_COLUMNS):
                     raise UsageError(f"{path} line {line}: {len(row)} fields; expected {len(CSV_COLUMNS)} "
                                      f"({','.join(CSV_COLUMNS)})")
