@@ -38,10 +38,11 @@ from toolkit.config import TrainConfig
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
 from toolkit.errors import UsageError, write_line
-from toolkit.tracking import tracker_choice, tracker_init_kwargs
+from toolkit.tracking import LOG_FILE, METRICS_FILE, tracker_choice, tracker_init_kwargs
 
 RUNS_ROOT = Path("runs")
 CONFIG_FILE = "config.json"
+DEAD_LIFE_FILES = (METRICS_FILE, LOG_FILE)  # rows a life writes before its first checkpoint
 
 
 @dataclass
@@ -275,8 +276,13 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
             previous = _previous_config(output_dir, config)
             return output_dir, found, output_dir.name, run_id, previous, warnings
         output_dir = output_dir or RUNS_ROOT / recipe / default_name
-        # A fresh start under `auto` may land in a directory that only has incomplete checkpoints: that is fine.
+        # A fresh start under `auto` may land in a directory whose run died before its first checkpoint: it starts
+        # that run afresh, and _take_run_dir empties the rows the dead life wrote (an uninterrupted run's files).
         _check_not_locked(output_dir)
+        dead = [name for name in DEAD_LIFE_FILES if (output_dir / name).exists()]
+        if dead:
+            warnings.append(f"{output_dir} holds a run that stopped before its first checkpoint: starting it afresh "
+                            f"({' and '.join(dead)} of that life are removed)")
         return output_dir, None, output_dir.name, run_id, None, warnings
     if resume is not None:
         found = checkpoint.resolve_checkpoint_path(Path(resume))
@@ -285,7 +291,8 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
         _check_not_locked(output_dir)
         return output_dir, found, output_dir.name, run_id, _previous_config(found.parent.parent, config), warnings
     output_dir = output_dir or RUNS_ROOT / recipe / default_name
-    if checkpoint.checkpoints_root(output_dir).exists() or (output_dir / "metrics.csv").exists():
+    if checkpoint.checkpoints_root(output_dir).exists() or any(
+            (output_dir / name).exists() for name in (CONFIG_FILE, *DEAD_LIFE_FILES)):
         raise UsageError(
             f"--output-dir {output_dir} already holds a run; continue it with --resume-from auto "
             "or choose another --output-dir (nothing there is overwritten)"
@@ -417,6 +424,9 @@ def _take_run_dir(run: Run) -> None:
         raise checkpoint.disk_error(error, run.output_dir / LOCK_FILE) from None
     _held_lock = handle
     try:
+        if run.resume_checkpoint is None:  # a fresh start over a life that died before its first checkpoint
+            for name in DEAD_LIFE_FILES:  # removed, not emptied: their writers start a new file with its header
+                (run.output_dir / name).unlink(missing_ok=True)
         _write_config_json(run)
     except OSError as error:
         raise checkpoint.disk_error(error, run.output_dir / CONFIG_FILE) from None
