@@ -74,6 +74,8 @@ class DCRNNConfig(TrainConfig):
     """Directory holding the speed table (*.h5, e.g. metr-la.h5) and the adjacency pickle (adj*.pkl)."""
     cache_dir: Path = Path("~/.cache/accelerate-recipes")
     """Where the processed table is cached (`datasets`)."""
+    max_speed: float = 200.0
+    """Speeds above this (mph) are refused as a damaged table; widen it for data in other units."""
     units: int = 16
     """Hidden units of each DCGRU cell."""
     layers: int = 2
@@ -134,6 +136,8 @@ def check(cfg: DCRNNConfig) -> None:
             f"--sampling-decay-steps {cfg.sampling_decay_steps} is invalid; give a finite number >= 0 "
             "(0 = no scheduled sampling)"
         )
+    if not (cfg.max_speed > 0 and math.isfinite(cfg.max_speed)):
+        raise UsageError(f"--max-speed {cfg.max_speed} is invalid; give a finite speed > 0 (mph)")
     if not 0 < cfg.lr_decay <= 1:
         raise UsageError(f"--lr-decay {cfg.lr_decay} is invalid; it must be in (0, 1]")
     if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = run.accelerator
 
     # ---- data: read, checked and cached by the main process, loaded from the cache by the others -------------
-    table, meta = main_process_first(run, lambda: prepare_traffic(cfg.data, cfg.cache_dir.expanduser()))
+    table, meta = main_process_first(run, lambda: prepare_traffic(cfg.data, cfg.cache_dir.expanduser(), cfg.max_speed))
     split = split_windows(table)
     run.describe_data(
         meta["fingerprint"], source=meta["source"], sensors=meta["num_sensors"], timesteps=meta["num_timesteps"]

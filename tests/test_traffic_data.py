@@ -183,7 +183,8 @@ def test_baselines_against_hand_computed_forecasts(generated, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["no-time-index", "adjacency-size", "too-few-timesteps", "not-hdf5", "irregular-time", "ids-differ"]
+    "case", ["no-time-index", "adjacency-size", "too-few-timesteps", "not-hdf5", "irregular-time", "ids-differ",
+             "ids-share-a-row", "id-past-the-matrix", "speed-1e6", "all-zero", "all-nan"]
 )
 def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path):
     out, frame, ids, adjacency = generated
@@ -199,7 +200,17 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         table = frame.drop(frame.index[50])
     elif case == "ids-differ":
         graph = (["x" + s for s in ids], adjacency)
+    elif case == "speed-1e6":
+        table = frame.copy()
+        table.iloc[10, 2] = 1e6
+    elif case in ("all-zero", "all-nan"):
+        table = frame * (0.0 if case == "all-zero" else float("nan"))
     write_dataset(bad, table, *graph)
+    if case in ("ids-share-a-row", "id-past-the-matrix"):
+        mapping = {s: i for i, s in enumerate(ids)}
+        mapping[ids[1]] = 0 if case == "ids-share-a-row" else len(ids) + 5
+        with open(bad / "adj_mx.pkl", "wb") as handle:
+            pickle.dump([ids, mapping, adjacency.astype(np.float32)], handle, protocol=2)
     if case == "not-hdf5":
         (bad / "metr-la.h5").write_text("sensor,speed\n1,60\n")
     with pytest.raises(UsageError) as error:
@@ -213,6 +224,11 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         "not-hdf5": ("metr-la.h5", "not a pandas HDF5"),
         "irregular-time": ("metr-la.h5", "interval"),
         "ids-differ": ("adj_mx.pkl", "sensor ids"),
+        "ids-share-a-row": ("adj_mx.pkl", f"sends sensors {ids[0]}, {ids[1]} to the same row 0"),
+        "id-past-the-matrix": ("adj_mx.pkl", f"to row {len(ids) + 5}, outside the"),
+        "speed-1e6": ("metr-la.h5", "1 speed(s) above 200 mph (up to 1e+06)", "--max-speed"),
+        "all-zero": ("metr-la.h5", "holds no reading"),
+        "all-nan": ("metr-la.h5", "holds no reading"),
     }[case]
     for fragment in expected:
         assert fragment in message, message
@@ -254,3 +270,19 @@ def test_synth_command_writes_both_files_and_refuses_bad_flags(tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --sensors 1 is invalid; give at least 2"]
     assert not (tmp_path / "x").exists()
+
+
+def test_nan_speeds_are_missing_readings_like_zeros(generated, tmp_path):
+    """METR-LA marks a missing reading 0; a table with NaN there instead trains exactly as the one with zeros."""
+    out, frame, ids, adjacency = generated
+    with_nan = frame.copy()
+    holes = (slice(40, 60), [0, 3])
+    with_nan.iloc[holes] = float("nan")
+    with_zero = frame.copy()
+    with_zero.iloc[holes] = 0.0
+    write_dataset(tmp_path / "nan", with_nan, ids, adjacency)
+    write_dataset(tmp_path / "zero", with_zero, ids, adjacency)
+    nan_ds, nan_meta = prepare_traffic(tmp_path / "nan", tmp_path / "cache")
+    zero_ds, zero_meta = prepare_traffic(tmp_path / "zero", tmp_path / "cache")
+    assert torch.equal(torch.as_tensor(np.asarray(nan_ds["speed"])), torch.as_tensor(np.asarray(zero_ds["speed"])))
+    assert nan_meta["missing_fraction"] == zero_meta["missing_fraction"] > 0

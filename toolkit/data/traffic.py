@@ -65,8 +65,13 @@ def find_files(data: Path) -> tuple[Path, Path]:
     return tables[0], pickles[0]
 
 
-def read_speeds(path: Path) -> pd.DataFrame:
-    """The speed table: a DatetimeIndex at a constant interval, numeric columns (one per sensor); NaN -> 0 (missing)."""
+MAX_SPEED = 200.0  # mph: no road sensor reads more; the DCRNN recipe's --max-speed widens it
+
+
+def read_speeds(path: Path, max_speed: float = MAX_SPEED) -> pd.DataFrame:
+    """The speed table: a DatetimeIndex at a constant interval, numeric columns (one per sensor); NaN -> 0 (missing,
+    like METR-LA's own zeros). Speeds above max_speed (mph), negative or infinite ones, and a table without a single
+    reading are refused."""
     path = Path(path)
     try:
         with pd.HDFStore(path, mode="r") as store:
@@ -113,6 +118,14 @@ def read_speeds(path: Path) -> pd.DataFrame:
     values = frame.to_numpy(dtype=np.float64)
     if np.isinf(values).any() or (values < 0).any():
         raise UsageError(f"{path} holds negative or infinite speeds; missing readings must be 0 (or NaN)")
+    too_fast = values > max_speed
+    if too_fast.any():
+        raise UsageError(
+            f"{path} holds {int(too_fast.sum())} speed(s) above {max_speed:g} mph (up to {np.nanmax(values):.4g}); "
+            "speeds are mph, a missing reading is 0 or NaN; if these are real, widen the range with --max-speed"
+        )
+    if not (values > 0).any():
+        raise UsageError(f"{path} holds no reading: every speed is 0 or NaN (missing); give a table with readings")
     return frame.fillna(0.0)
 
 
@@ -142,7 +155,20 @@ def read_adjacency(path: Path, sensor_ids: list[str], speeds_path: Path) -> np.n
         )
     if not np.isfinite(matrix).all() or (matrix < 0).any():
         raise UsageError(f"{path}: the adjacency holds negative or non-finite weights")
-    index = {str(k): int(v) for k, v in dict(id_to_index).items()}
+    try:
+        index = {str(k): int(v) for k, v in dict(id_to_index).items()}
+    except (TypeError, ValueError):
+        raise UsageError(f"{path}: id_to_index is not a map of sensor ids to row numbers") from None
+    rows = [index[s] for s in sensor_ids if s in index]
+    outside = sorted({r for r in rows if not 0 <= r < n})
+    if outside:
+        raise UsageError(f"{path}: id_to_index sends sensor ids to row {outside[0]}, outside the {n} x {n} adjacency "
+                         f"(rows 0 .. {n - 1})")
+    if len(set(rows)) != len(rows):
+        shared = next(r for r in rows if rows.count(r) > 1)
+        ids_there = [s for s in sensor_ids if index.get(s) == shared]
+        raise UsageError(f"{path}: id_to_index sends sensors {', '.join(ids_there[:3])} to the same row {shared}; "
+                         "each sensor needs its own row")
     missing = [s for s in sensor_ids if s not in index]
     if missing or len({str(i) for i in ids}) != n:
         raise UsageError(
@@ -158,18 +184,19 @@ def read_adjacency(path: Path, sensor_ids: list[str], speeds_path: Path) -> np.n
 # ----------------------------------------------------------------------------------------------------
 
 
-def prepare_traffic(data: Path, cache_dir: Path) -> tuple[datasets.Dataset, dict]:
+def prepare_traffic(data: Path, cache_dir: Path, max_speed: float = MAX_SPEED) -> tuple[datasets.Dataset, dict]:
     """(ds, meta): ds has one row per timestep: speed [N] float32 (mph, 0 = missing), time_of_day (fraction of the
     day), slot_of_week (0 .. readings per week - 1); meta: sensor_ids, adjacency (N x N), interval_minutes, start,
     num_timesteps, num_sensors, missing_fraction, source, fingerprint. Built once per pair of files."""
     datasets.disable_progress_bars()
     speeds_path, adjacency_path = find_files(data)
     key = hashlib.sha1(
-        f"{file_fingerprint(speeds_path, FORMAT_VERSION)}:{file_fingerprint(adjacency_path, FORMAT_VERSION)}".encode()
+        f"{file_fingerprint(speeds_path, FORMAT_VERSION)}:{file_fingerprint(adjacency_path, FORMAT_VERSION)}"
+        f"{'' if max_speed == MAX_SPEED else f':{max_speed!r}'}".encode()  # a table built under a wider range
     ).hexdigest()[:16]
 
     def build() -> tuple[datasets.Dataset, dict]:
-        frame = read_speeds(speeds_path)
+        frame = read_speeds(speeds_path, max_speed)
         sensor_ids = [str(c) for c in frame.columns]
         adjacency = read_adjacency(adjacency_path, sensor_ids, speeds_path)
         stamps = frame.index
