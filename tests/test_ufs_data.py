@@ -282,3 +282,48 @@ def test_temperatures_near_273_k_are_exact_where_the_naive_formula_is_not(two_pr
     for rank in two_process_stats:  # ... the merged (count, mean, M2) of the 2-process run is not
         assert relative(rank["std"][tair], reference) < 1e-12
         assert 5e-5 < rank["std"][tair] < 2e-4
+
+
+def _domain(ds):
+    return ((ds["tmask"].values > 0.5) & (np.abs(ds["TLAT"].values) >= 40)).ravel()
+
+
+def _set_inside(ds, name, value, count=None):
+    inside = np.flatnonzero(_domain(ds))[:count]
+    values = ds[name].values.copy()
+    flat = values.reshape(values.shape[0], -1) if values.ndim == 3 else values.reshape(1, -1)
+    flat[0, inside] = value
+    ds[name] = (ds[name].dims, flat.reshape(values.shape), ds[name].attrs)
+    ds[name].encoding["_FillValue"] = None  # no _FillValue attribute: nothing decodes the fill to NaN
+
+
+def _one_point_domain(ds):
+    mask = np.zeros_like(ds["tmask"].values)
+    mask.ravel()[np.flatnonzero(_domain(ds))[0]] = 1
+    ds["tmask"] = (ds["tmask"].dims, mask, ds["tmask"].attrs)
+
+
+HOSTILE_NETCDF = {
+    "mask of another shape": (lambda ds: ds.__setitem__("tmask", (("a", "b"), np.ones((3, 4), np.float32))),
+                              {}, "mask 'tmask' has grid (3, 4), the fields (60, 120)"),
+    "constant output": (lambda ds: ds.__setitem__("aice", (ds["aice"].dims, np.full(ds["aice"].shape, 0.5,
+                                                                                     np.float32))),
+                        {}, "output field 'aice' is 0.5 at every training pattern"),
+    "a field of strings": (lambda ds: ds.__setitem__("hs", (ds["hs"].dims, ds["hs"].values.astype(str))),
+                           {}, "variable 'hs' holds <U"),
+    "netCDF default fill inside the domain": (lambda ds: _set_inside(ds, "sst", np.float32(9.969209968386869e36), 5),
+                                              {}, "field 'sst' holds netCDF's default fill value (about 9.97e36) at 5"),
+    "one-point domain": (_one_point_domain, {}, "no validation patterns (1 patterns"),
+    "thin beyond the domain": (_one_point_domain, {"thin": 50}, "no validation patterns"),
+    "max-patterns 1": (lambda ds: None, {"max_patterns": 1}, "no validation patterns (1 patterns"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_NETCDF))
+def test_hostile_netcdf_files_are_one_line_naming_file_and_variable(case, grid_file, accelerator, tmp_path):
+    edit, flags, fragment = HOSTILE_NETCDF[case]
+    path = _edited(grid_file, tmp_path / "hostile.nc", edit)
+    with pytest.raises(UsageError) as error:
+        load_patterns(accelerator, path, **flags)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message and fragment in message, message

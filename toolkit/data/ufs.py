@@ -127,6 +127,11 @@ def select_patterns(
     """Domain cells (ocean, |lat| >= min_abs_lat), every `thin`-th, at most `max_patterns` (keyed subset), with a
     keyed validation coin per cell. Reads only the mask and latitude fields; identical on every rank."""
     shape = grid_field(ds, names[0], path).shape
+    for name in names:
+        kind = grid_field(ds, name, path).dtype.kind
+        if kind not in "fiub":
+            raise UsageError(f"--data {path}: variable {name!r} holds {grid_field(ds, name, path).dtype} values, not "
+                             "numbers; every input and output must be a numeric field")
     for name in names[1:]:
         if grid_field(ds, name, path).shape != shape:
             raise UsageError(
@@ -136,7 +141,13 @@ def select_patterns(
     domain = np.ones(shape, dtype=bool)
     if mask_variable:
         require_variables(ds, path, [mask_variable], 'mask (--mask-variable; "" for none)')
-        domain &= np.nan_to_num(np.asarray(grid_field(ds, mask_variable, path).values, dtype=np.float64)) > 0.5
+        mask = grid_field(ds, mask_variable, path)
+        if mask.shape != shape:
+            raise UsageError(f"--data {path}: mask {mask_variable!r} has grid {mask.shape}, the fields {shape}; "
+                             "the mask must be on the fields' grid")
+        if mask.dtype.kind not in "fiub":
+            raise UsageError(f"--data {path}: mask {mask_variable!r} holds {mask.dtype} values; a mask is 0/1 numbers")
+        domain &= np.nan_to_num(np.asarray(mask.values, dtype=np.float64)) > 0.5
     if min_abs_lat > 0:
         require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
         lat = np.asarray(grid_field(ds, lat_variable, path).values, dtype=np.float64)
@@ -283,6 +294,23 @@ def load_patterns(
                 f"sea-ice domain ({len(selection.cells)} patterns); fill them or mask those cells "
                 f"(--mask-variable) before training"
             )
+    # netCDF's default fill value (9.97e36 for floats) is what a file holds where nothing was written; without a
+    # _FillValue attribute nobody decodes it to NaN, and it would be trained on as a number.
+    filled = (shard.abs() >= 9.0e36).sum(dim=0).double()
+    if world > 1:
+        filled = accelerator.reduce(filled.to(accelerator.device), reduction="sum").cpu()
+    for name, count in zip(names, filled.tolist(), strict=True):
+        if count:
+            raise UsageError(
+                f"--data {path}: field {name!r} holds netCDF's default fill value (about 9.97e36) at {int(count)} "
+                "cells inside the sea-ice domain: those cells were never written; give the variable a _FillValue "
+                "attribute (they become NaN) and mask them, or fill them"
+            )
+    if not selection.is_valid.any():
+        raise UsageError(
+            f"--data {path}: no validation patterns ({len(selection.cells)} patterns, --val-fraction "
+            f"{val_fraction}); raise --val-fraction or --max-patterns, or lower --thin"
+        )
     is_valid_mine = torch.from_numpy(selection.is_valid[rank::world])
     train_mine = shard[~is_valid_mine]
     if int((~torch.from_numpy(selection.is_valid)).sum()) == 0:
@@ -292,6 +320,13 @@ def load_patterns(
         )
     count, mean, m2 = merge_moments(accelerator, train_mine)
     std = std_from_moments(count, m2)
+    raw_std = std_from_moments(count, m2, floor=0.0)
+    for offset, name in enumerate(outputs):
+        if raw_std[len(inputs) + offset] == 0:
+            raise UsageError(
+                f"--data {path}: output field {name!r} is {mean[len(inputs) + offset].item():g} at every training "
+                "pattern: there is nothing to learn; check the file and the domain (--mask-variable, --min-abs-lat)"
+            )
     full = gather_strided(accelerator, shard, len(selection.cells))
     is_valid = torch.from_numpy(selection.is_valid)
     n_in = len(inputs)
