@@ -3,9 +3,11 @@ split is by original puzzle, the Sudoku-Extreme CSV reader round-trips and names
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 
+import datasets
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -174,3 +176,67 @@ def test_a_directory_that_is_not_a_dataset_is_refused(tmp_path):
         sudoku.load_built(tmp_path)
     with pytest.raises(UsageError, match="does not exist"):
         sudoku.load_built(tmp_path / "missing")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sudoku") / "built"
+    command = [sys.executable, "-m", "toolkit.data.sudoku", "build", "--out", str(out), "--train-puzzles", "4",
+               "--aug", "2", "--val-puzzles", "2", "--test-puzzles", "3", "--max-blanks", "20", "--seed", "5"]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _rewrite_rows(directory, edit):
+    ds = datasets.load_from_disk(str(directory / sudoku.DATASET_DIR))
+    table = ds.to_dict()
+    edit(table)
+    shutil.rmtree(directory / sudoku.DATASET_DIR)
+    datasets.Dataset.from_dict(table, features=ds.features).save_to_disk(str(directory / sudoku.DATASET_DIR))
+
+
+def _edit_meta(directory, **changes):
+    meta = json.loads((directory / sudoku.META_FILE).read_text())
+    meta.update(changes)
+    (directory / sudoku.META_FILE).write_text(json.dumps(meta))
+
+
+def _copy_row(table, source, target):
+    for column in ("question", "answer"):
+        table[column][target] = table[column][source]
+
+
+HOSTILE_BUILT = {
+    "test split equals train": (lambda d: _edit_meta(d, splits={"train": [0, 12], "val": [12, 14], "test": [0, 12]}),
+                                "are not three consecutive parts"),
+    "overlapping splits": (lambda d: _edit_meta(d, splits={"train": [0, 13], "val": [12, 14], "test": [14, 17]}),
+                           "are not three consecutive parts"),
+    "split past the end": (lambda d: _edit_meta(d, splits={"train": [0, 12], "val": [12, 14], "test": [14, 99]}),
+                           "are not three consecutive parts of the 17 rows"),
+    "aug count off": (lambda d: _edit_meta(d, aug=3),
+                      "the train split holds 12 rows, but meta.json records 4 puzzles x 4"),
+    "a test puzzle seen in training": (lambda d: _rewrite_rows(d, lambda t: _copy_row(t, 0, 16)),
+                                       "test puzzle 8 repeats train puzzle 0 (a test puzzle seen in training)"),
+    "a puzzle twice in one split": (lambda d: _rewrite_rows(d, lambda t: _copy_row(t, 12, 13)),
+                                    "val puzzle 5 repeats val puzzle 4"),
+    "all blanks (many solutions)": (lambda d: _rewrite_rows(d, lambda t: t["question"].__setitem__(14, [0] * 81)),
+                                    "test puzzle 6 has 0 givens"),
+    "an answer that does not solve": (lambda d: _rewrite_rows(d, lambda t: t["answer"].__setitem__(
+        15, t["answer"][15][1:] + t["answer"][15][:1])), "the answer of test puzzle 7 does not solve it"),
+    "meta not numbers": (lambda d: _edit_meta(d, aug="two"), "are not numbers"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_BUILT))
+def test_hostile_built_datasets_are_one_line(case, built, tmp_path):
+    edit, fragment = HOSTILE_BUILT[case]
+    copy = shutil.copytree(built, tmp_path / "copy")
+    edit(copy)
+    with pytest.raises(UsageError) as error:
+        sudoku.load_built(copy)
+    assert "\n" not in str(error.value) and fragment in str(error.value), str(error.value)
+
+
+def test_the_built_dataset_itself_passes(built):
+    ds, meta = sudoku.load_built(built)
+    assert len(ds) == 4 * 3 + 2 + 3 and meta["aug"] == 2

@@ -392,8 +392,10 @@ def from_csv(directory: Path | str, recipe: Recipe) -> tuple[datasets.Dataset, d
     val = [pool[i] for i in chosen[recipe.train_puzzles:]]
     test_rows = sorted(rng.sample(range(len(test_pool)), min(recipe.test_puzzles, len(test_pool))))
     test = [test_pool[i] for i in test_rows]
-    return assemble(train, val, test, recipe.aug, recipe.seed, source=f"csv:{Path(directory).resolve()}",
-                    recipe=asdict(recipe))
+    ds, meta = assemble(train, val, test, recipe.aug, recipe.seed, source=f"csv:{Path(directory).resolve()}",
+                        recipe=asdict(recipe))
+    check_dataset(ds, meta, f"--data {directory}")  # e.g. a puzzle in train.csv and test.csv, or twice in one
+    return ds, meta
 
 
 def csv_key(directory: Path | str, recipe: Recipe) -> str:
@@ -431,7 +433,57 @@ def load_built(directory: Path | str, flag: str = "--data") -> tuple[datasets.Da
     if meta.get("format") != FORMAT_VERSION or set(splits) != {"train", "val", "test"}:
         raise UsageError(f"{flag} {directory} was built by another version of toolkit.data.sudoku (format "
                          f"{meta.get('format')}, expected {FORMAT_VERSION}); build it again")
+    check_dataset(ds, meta, f"{flag} {directory}")
     return ds, meta
+
+
+MIN_GIVENS = 17  # no Sudoku with fewer givens has a single solution (McGuire, Tugemann and Civario 2012)
+
+
+def check_dataset(ds: datasets.Dataset, meta: dict, where: str) -> None:
+    """What a built dataset (edited, or built by hand) can get wrong, each one line: splits that are not the three
+    consecutive parts of the table, row counts that do not match the puzzles and augmentations recorded, a puzzle
+    twice (in one split or across splits: a test puzzle seen in training), a puzzle that cannot have one solution
+    (fewer than 17 givens), and an answer that does not solve its puzzle."""
+    rows = len(ds)
+    try:
+        bounds = [tuple(int(v) for v in meta["splits"][name]) for name in ("train", "val", "test")]
+        aug, puzzles = int(meta["aug"]), {name: int(meta["puzzles"][name]) for name in ("train", "val", "test")}
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{where}: meta.json's splits, aug or puzzles are not numbers; build it again") from None
+    expected_starts = [0, bounds[0][1], bounds[1][1]]
+    if any(len(b) != 2 for b in bounds) or [b[0] for b in bounds] != expected_starts or bounds[2][1] != rows or \
+            any(start > stop for start, stop in bounds):
+        raise UsageError(f"{where}: meta.json's splits {meta['splits']} are not three consecutive parts of the "
+                         f"{rows} rows (train from row 0, then val, then test to the end); build it again")
+    counts = {"train": puzzles["train"] * (1 + aug), "val": puzzles["val"], "test": puzzles["test"]}
+    for (name, count), (start, stop) in zip(counts.items(), bounds, strict=True):
+        if stop - start != count:
+            raise UsageError(f"{where}: the {name} split holds {stop - start} rows, but meta.json records "
+                             f"{puzzles[name]} puzzles x {1 + aug if name == 'train' else 1} (aug {aug}); build it "
+                             "again")
+    originals = [*range(0, bounds[0][1], 1 + aug), *range(bounds[1][0], rows)]
+    table = ds.select(originals).with_format("numpy")
+    questions, answers = np.stack(table["question"]), np.stack(table["answer"])
+    split_of = np.repeat(["train", "val", "test"], [puzzles["train"], puzzles["val"], puzzles["test"]])
+    seen: dict[bytes, int] = {}
+    for i, question in enumerate(questions):
+        key = question.tobytes()
+        if key in seen:
+            first = seen[key]
+            where_first = f"{split_of[first]} puzzle {first}"
+            raise UsageError(f"{where}: {split_of[i]} puzzle {i} repeats {where_first}"
+                             + (" (a test puzzle seen in training)" if split_of[first] != split_of[i] else "")
+                             + "; every puzzle must be in one split, once")
+        seen[key] = i
+    givens = (questions > 0).sum(axis=1)
+    few = np.flatnonzero(givens < MIN_GIVENS)
+    if len(few):
+        raise UsageError(f"{where}: {split_of[few[0]]} puzzle {few[0]} has {givens[few[0]]} givens; with fewer than "
+                         f"{MIN_GIVENS} a Sudoku has more than one solution")
+    for i, (question, answer) in enumerate(zip(questions, answers, strict=True)):
+        if not (is_valid_solution(answer) and agrees(question, answer)):
+            raise UsageError(f"{where}: the answer of {split_of[i]} puzzle {i} does not solve it")
 
 
 def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True):
