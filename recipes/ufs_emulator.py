@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
+import math  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Literal  # noqa: E402
 
@@ -77,6 +78,9 @@ class UfsConfig(TrainConfig):
     """At most this many patterns (a keyed random subset; 0 = all)."""
     val_fraction: float = 0.1
     """Share of the patterns held out for validation (a keyed coin per cell)."""
+    range_factor: float = 1.0
+    """Widen the plausible range of each field (by its units: K 150..350, psu 0..60, m 0..50, m/s -150..150, kg/kg
+    0..0.1, W/m^2 -100..2000; aice -0.25..1.25) by this factor around its centre; 0 turns the check off."""
     hidden: int = 64
     """Width of each hidden layer."""
     layers: int = 3
@@ -106,6 +110,8 @@ def check(cfg: UfsConfig) -> None:
     require_at_least(cfg, 0, "max_patterns", "patience")
     if not 0 < cfg.val_fraction < 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid; it must be in (0, 1)")
+    if not (cfg.range_factor == 0 or (cfg.range_factor >= 1 and math.isfinite(cfg.range_factor))):
+        raise UsageError(f"--range-factor {cfg.range_factor} is invalid; give a factor >= 1, or 0 for no check")
     if not 0 <= cfg.min_abs_lat <= 90:
         raise UsageError(f"--min-abs-lat {cfg.min_abs_lat} is invalid; give degrees in [0, 90]")
     if not 0 <= cfg.weight_decay < float("inf"):
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_patterns=cfg.max_patterns,
         val_fraction=cfg.val_fraction,
         seed=cfg.seed,
+        range_factor=cfg.range_factor,
     )
     meta = patterns.meta
     if cfg.batch_size > meta["train_patterns"]:

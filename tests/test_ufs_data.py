@@ -313,6 +313,11 @@ HOSTILE_NETCDF = {
                            {}, "variable 'hs' holds <U"),
     "netCDF default fill inside the domain": (lambda ds: _set_inside(ds, "sst", np.float32(9.969209968386869e36), 5),
                                               {}, "field 'sst' holds netCDF's default fill value (about 9.97e36) at 5"),
+    "sst in Celsius under units K": (lambda ds: _set_inside(ds, "sst", np.float32(-1.5), 3), {},
+                                     "field 'sst' (K) has 3 values outside 150 .. 350"),
+    "aice of 2": (lambda ds: _set_inside(ds, "aice", np.float32(2.0), 4), {},
+                  "field 'aice' (1) has 4 values outside -0.25 .. 1.25"),
+    "a wind of 1e4 m/s": (lambda ds: _set_inside(ds, "uatm", np.float32(1e4), 1), {}, "--range-factor"),
     "one-point domain": (_one_point_domain, {}, "no validation patterns (1 patterns"),
     "thin beyond the domain": (_one_point_domain, {"thin": 50}, "no validation patterns"),
     "max-patterns 1": (lambda ds: None, {"max_patterns": 1}, "no validation patterns (1 patterns"),
@@ -327,3 +332,11 @@ def test_hostile_netcdf_files_are_one_line_naming_file_and_variable(case, grid_f
         load_patterns(accelerator, path, **flags)
     message = str(error.value)
     assert "\n" not in message and str(path) in message and fragment in message, message
+
+
+def test_a_wider_range_or_none_accepts_what_the_default_refuses(grid_file, accelerator, tmp_path):
+    path = _edited(grid_file, tmp_path / "warm.nc", lambda ds: _set_inside(ds, "tair", np.float32(360.0), 2))
+    with pytest.raises(UsageError, match="'tair' \\(K\\) has 2 values outside 150 .. 350"):
+        load_patterns(accelerator, path)
+    assert load_patterns(accelerator, path, range_factor=2.0).meta["patterns"] > 0
+    assert load_patterns(accelerator, path, range_factor=0).meta["patterns"] > 0

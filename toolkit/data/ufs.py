@@ -111,6 +111,31 @@ class Selection:
     domain_cells: int  # cells in the sea-ice domain before thinning and capping
 
 
+# Plausible values by unit (the `units` attribute, so CICE and CF names alike), and for the ice fraction by name.
+PHYSICAL_RANGES = {
+    "K": (150.0, 350.0),
+    "degC": (-120.0, 80.0),
+    "psu": (0.0, 60.0),
+    "m": (0.0, 50.0),
+    "m/s": (-150.0, 150.0),
+    "kg/kg": (0.0, 0.1),
+    "W/m^2": (-100.0, 2000.0),
+    "W m-2": (-100.0, 2000.0),
+}
+FRACTIONS = {"aice", "aice_h"}  # sea-ice concentration: 0 .. 1 (with a margin for noise)
+
+
+def physical_range(name: str, units: str, factor: float = 1.0) -> tuple[float, float] | None:
+    """(low, high) a field's values must lie in, widened around its centre by `factor` (0: no check); None when
+    neither its name nor its units are known."""
+    # A fraction is 0..1; the margin lets observation-like noise through (the generator adds N(0, sigma^2)).
+    limits = (-0.25, 1.25) if name in FRACTIONS else PHYSICAL_RANGES.get(units.strip())
+    if limits is None or factor == 0:
+        return None
+    centre, half = (limits[0] + limits[1]) / 2, (limits[1] - limits[0]) / 2 * factor
+    return centre - half, centre + half
+
+
 def select_patterns(
     ds,
     path,
@@ -254,6 +279,7 @@ def load_patterns(
     max_patterns: int = 0,
     val_fraction: float = 0.1,
     seed: int = 0,
+    range_factor: float = 1.0,
 ) -> UfsPatterns:
     """Select the patterns, read this rank's strided share, refuse NaNs (counted over all ranks), merge the
     training statistics over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every
@@ -281,6 +307,7 @@ def load_patterns(
         rank, world = accelerator.process_index, accelerator.num_processes
         shard = torch.from_numpy(read_shard(ds, path, names, selection.cells, rank, world))
         units = {name: str(ds[name].attrs.get("units", "")) for name in names}
+        limits = {name: physical_range(name, units[name], range_factor) for name in names}
         attributes = {key: (value.item() if hasattr(value, "item") else value) for key, value in ds.attrs.items()}
 
     bad = (~torch.isfinite(shard)).sum(dim=0).double()
@@ -305,6 +332,21 @@ def load_patterns(
                 f"--data {path}: field {name!r} holds netCDF's default fill value (about 9.97e36) at {int(count)} "
                 "cells inside the sea-ice domain: those cells were never written; give the variable a _FillValue "
                 "attribute (they become NaN) and mask them, or fill them"
+            )
+    outside = torch.zeros(len(names), dtype=torch.float64)
+    for column, name in enumerate(names):
+        if limits[name] is not None:
+            low, high = limits[name]
+            outside[column] = ((shard[:, column] < low) | (shard[:, column] > high)).sum()
+    if world > 1:
+        outside = accelerator.reduce(outside.to(accelerator.device), reduction="sum").cpu()
+    for name, count in zip(names, outside.tolist(), strict=True):
+        if count:
+            low, high = limits[name]
+            raise UsageError(
+                f"--data {path}: field {name!r} ({units[name]}) has {int(count)} values outside {low:g} .. {high:g} "
+                "inside the sea-ice domain: wrong units or a damaged file; if they are real, widen the physical "
+                "ranges with --range-factor (0 turns the check off)"
             )
     if not selection.is_valid.any():
         raise UsageError(
