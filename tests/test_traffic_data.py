@@ -3,6 +3,7 @@ part of the timeline, the scaler sees only training inputs, the baselines and ma
 values, and bad files are one-line errors naming the file."""
 
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -184,7 +185,10 @@ def test_baselines_against_hand_computed_forecasts(generated, tmp_path):
 
 @pytest.mark.parametrize(
     "case", ["no-time-index", "adjacency-size", "too-few-timesteps", "not-hdf5", "irregular-time", "ids-differ",
-             "ids-share-a-row", "id-past-the-matrix", "speed-1e6", "all-zero", "all-nan"]
+             "ids-share-a-row", "id-past-the-matrix", "speed-1e6", "all-zero", "all-nan", "negative-speed",
+             "infinite-speed", "string-column", "repeated-timestamp", "adjacency-not-pickle", "adjacency-two-items",
+             "adjacency-negative", "adjacency-nan", "adjacency-strings", "two-speed-tables", "no-adjacency",
+             "two-hdf-tables", "id-map-not-a-map"]
 )
 def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path):
     out, frame, ids, adjacency = generated
@@ -205,7 +209,36 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         table.iloc[10, 2] = 1e6
     elif case in ("all-zero", "all-nan"):
         table = frame * (0.0 if case == "all-zero" else float("nan"))
+    elif case in ("negative-speed", "infinite-speed"):
+        table = frame.copy()
+        table.iloc[5, 1] = -3.0 if case == "negative-speed" else float("inf")
+    elif case == "string-column":
+        table = frame.copy()
+        table[table.columns[2]] = "fast"
+    elif case == "repeated-timestamp":
+        table = frame.copy()
+        table.index = table.index.where(np.arange(len(table)) != 30, table.index[29])
+    elif case in ("adjacency-negative", "adjacency-nan"):
+        matrix = adjacency.copy()
+        matrix[0, 1] = -1.0 if case == "adjacency-negative" else float("nan")
+        graph = (ids, matrix)
     write_dataset(bad, table, *graph)
+    adjacency_file = bad / "adj_mx.pkl"
+    if case == "adjacency-not-pickle":
+        adjacency_file.write_text("from,to,cost\n")
+    elif case in ("adjacency-two-items", "adjacency-strings", "id-map-not-a-map"):
+        content = {"adjacency-two-items": [ids, adjacency],
+                   "adjacency-strings": [ids, {s: i for i, s in enumerate(ids)}, [["near"] * len(ids)] * len(ids)],
+                   "id-map-not-a-map": [ids, [1, 2, 3], adjacency]}[case]
+        adjacency_file.write_bytes(pickle.dumps(content, protocol=2))
+    elif case == "two-speed-tables":
+        shutil.copy(bad / "metr-la.h5", bad / "pems-bay.h5")
+    elif case == "no-adjacency":
+        adjacency_file.unlink()
+    elif case == "two-hdf-tables":
+        (bad / "metr-la.h5").unlink()
+        frame.to_hdf(bad / "metr-la.h5", key="first")
+        frame.to_hdf(bad / "metr-la.h5", key="second")
     if case in ("ids-share-a-row", "id-past-the-matrix"):
         mapping = {s: i for i, s in enumerate(ids)}
         mapping[ids[1]] = 0 if case == "ids-share-a-row" else len(ids) + 5
@@ -229,6 +262,19 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         "speed-1e6": ("metr-la.h5", "1 speed(s) above 200 mph (up to 1e+06)", "--max-speed"),
         "all-zero": ("metr-la.h5", "holds no reading"),
         "all-nan": ("metr-la.h5", "holds no reading"),
+        "negative-speed": ("metr-la.h5", "negative or infinite speeds"),
+        "infinite-speed": ("metr-la.h5", "negative or infinite speeds"),
+        "string-column": ("metr-la.h5", "are not numeric speeds"),
+        "repeated-timestamp": ("metr-la.h5", "one constant interval"),
+        "adjacency-not-pickle": ("adj_mx.pkl", "not a readable adjacency pickle"),
+        "adjacency-two-items": ("adj_mx.pkl", "does not hold [sensor_ids, id_to_index, adjacency matrix]"),
+        "adjacency-negative": ("adj_mx.pkl", "negative or non-finite weights"),
+        "adjacency-nan": ("adj_mx.pkl", "negative or non-finite weights"),
+        "adjacency-strings": ("adj_mx.pkl", "not a numeric matrix"),
+        "two-speed-tables": ("must hold exactly one speed table", "metr-la.h5, pems-bay.h5"),
+        "no-adjacency": ("must hold exactly one adjacency pickle", "found none"),
+        "two-hdf-tables": ("metr-la.h5 holds 2 tables", "/first"),
+        "id-map-not-a-map": ("adj_mx.pkl", "id_to_index is not a map"),
     }[case]
     for fragment in expected:
         assert fragment in message, message
