@@ -240,3 +240,37 @@ def test_hostile_built_datasets_are_one_line(case, built, tmp_path):
 def test_the_built_dataset_itself_passes(built):
     ds, meta = sudoku.load_built(built)
     assert len(ds) == 4 * 3 + 2 + 3 and meta["aug"] == 2
+
+
+def _good_line(seed=8):
+    source, question, answer, rating = _csv_rows(1, seed)[0]
+    return f"{source},{question},{answer},{rating}\n"
+
+
+HOSTILE_CSV = {
+    "empty file": (b"", "the header is None"),
+    "only the header": (b"source,question,answer,rating\n", "holds no puzzles"),
+    "another header": (b"id,puzzle,solution,difficulty\n", "line 1: the header is"),
+    "three fields": (b"source,question,answer,rating\na,b,c\n", "line 2: 3 fields; expected 4"),
+    "a word for a rating": (None, "rating 'hard' is not a non-negative integer"),
+    "a negative rating": (None, "rating '-1' is not a non-negative integer"),
+    "latin-1 bytes": (b"source,question,answer,rating\n\xe9t\xe9,x,y,1\n", "is not a text CSV (not UTF-8)"),
+    "a question of 82 characters": (None, "question has 82 characters"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_CSV))
+def test_hostile_csv_files_are_one_line(case, tmp_path):
+    content, fragment = HOSTILE_CSV[case]
+    if content is None:
+        source, question, answer, _ = _good_line().rstrip("\n").split(",")
+        row = {"a word for a rating": f"{source},{question},{answer},hard",
+               "a negative rating": f"{source},{question},{answer},-1",
+               "a question of 82 characters": f"{source},{question}.,{answer},1"}[case]
+        content = f"source,question,answer,rating\n{_good_line(9)}{row}\n".encode()
+    path = tmp_path / "train.csv"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as error:
+        sudoku.read_csv(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value) and fragment in str(error.value), str(
+        error.value)
