@@ -5,6 +5,8 @@ import shutil
 import pytest
 from conftest import TINY, assert_refused, run_recipe
 
+from toolkit import checkpoint
+
 
 def _fails_with(result, *fragments):
     output = result.stdout + result.stderr
@@ -136,7 +138,9 @@ def test_interrupted_checkpoint_is_ignored_by_auto_and_rejected_by_path(tmp_path
     _fails_with(result, "--resume-from", "incomplete checkpoint")
     resumed = run_recipe([*TINY, "--max-steps", "5", "--resume-from", "auto", "--output-dir", str(out)])
     assert "step_2" in resumed.stdout.split("resuming from", 1)[1].splitlines()[0]
-    assert (interrupted / "model.safetensors").exists()  # never deleted
+    assert "checkpoint " + str(interrupted) + " is skipped: it is incomplete" in resumed.stdout  # named, one line
+    assert "removing checkpoints/step_4: it is incomplete" in resumed.stdout  # the next save cleans it, named
+    assert not interrupted.exists() and checkpoint.is_complete(out / "checkpoints" / "step_5")
 
 
 def test_fresh_start_refuses_a_directory_that_holds_a_run(tmp_path):

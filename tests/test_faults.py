@@ -250,3 +250,28 @@ def test_a_full_disk_while_writing_an_artifact_is_one_line(small_disk, monkeypat
     with pytest.raises(checkpoint.UsageError, match=f"no space left on the disk at {small_disk}"):
         run.write_artifact("plot.png", lambda path: path.write_bytes(b"x" * 100_000))
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no partial file left
+
+
+FULL_AT_METRICS = """
+import errno
+from toolkit import tracking
+
+def full(self, row):  # the disk fills just as the first metrics row is written
+    raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+tracking.MetricsFile.append = full
+"""
+
+
+def test_a_full_disk_while_writing_a_metrics_row_is_one_line(tmp_path):
+    """A stand-in for a disk that fills between two writes: sitecustomize makes metrics.csv's append raise ENOSPC."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_AT_METRICS)
+    out = tmp_path / "run"
+    result = run_recipe([*ARGS, "--output-dir", str(out)], recipe=TOY, check=False, env={"PYTHONPATH": str(hook)})
+    errors = error_lines(result)
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "no space left on the disk at" in errors[0] and str(out / "metrics.csv") in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert (out / "config.json").exists() and not (out / "summary.json").exists()

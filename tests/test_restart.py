@@ -53,8 +53,9 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_rows_of_an_u
     proc.wait(timeout=60)
     assert logged_steps(killed) >= 2 and checkpoint.complete_checkpoints(killed) == []  # the moment hit
 
-    refused = run_recipe([*args, "--output-dir", str(killed)], recipe=recipe, check=False)
-    assert refused.returncode == 2 and "already holds a run; continue it with --resume-from auto" in refused.stderr
+    if recipe == "sasrec":  # the toolkit's rule, the same for every recipe: checked once
+        refused = run_recipe([*args, "--output-dir", str(killed)], recipe=recipe, check=False)
+        assert refused.returncode == 2 and "already holds a run; continue it with --resume-from auto" in refused.stderr
     again = run_recipe([*args, "--output-dir", str(killed), "--resume-from", "auto"], recipe=recipe)
     assert "stopped before its first checkpoint: starting it afresh" in again.stdout + again.stderr
     assert (killed / "log.csv").read_bytes() == (straight / "log.csv").read_bytes()

@@ -206,6 +206,20 @@ def _copy_row(table, source, target):
         table[column][target] = table[column][source]
 
 
+def _two_solutions_at_row_15(table):
+    """Blank a deadly pattern (two rows x two columns in two boxes whose digits can swap) of row 15's answer: the
+    puzzle keeps most givens and gains a second solution."""
+    answer = np.asarray(table["answer"][15]).reshape(9, 9)
+    for r1, r2 in ((a, b) for a in range(9) for b in range(a + 1, 9) if a // 3 == b // 3):
+        for c1, c2 in ((a, b) for a in range(9) for b in range(a + 1, 9) if a // 3 != b // 3):
+            if answer[r1, c1] == answer[r2, c2] and answer[r1, c2] == answer[r2, c1]:
+                question = answer.copy()
+                question[[r1, r1, r2, r2], [c1, c2, c1, c2]] = 0
+                table["question"][15] = question.ravel().tolist()
+                return
+    raise AssertionError("no deadly pattern in this answer")
+
+
 HOSTILE_BUILT = {
     "test split equals train": (lambda d: _edit_meta(d, splits={"train": [0, 12], "val": [12, 14], "test": [0, 12]}),
                                 "are not three consecutive parts"),
@@ -224,6 +238,8 @@ HOSTILE_BUILT = {
     "an answer that does not solve": (lambda d: _rewrite_rows(d, lambda t: t["answer"].__setitem__(
         15, t["answer"][15][1:] + t["answer"][15][:1])), "the answer of test puzzle 7 does not solve it"),
     "meta not numbers": (lambda d: _edit_meta(d, aug="two"), "are not numbers"),
+    "two solutions, 17+ givens": (lambda d: _rewrite_rows(d, _two_solutions_at_row_15), "test puzzle 7 has more "
+                                  "than one solution"),
 }
 
 

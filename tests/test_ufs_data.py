@@ -297,6 +297,12 @@ def _set_inside(ds, name, value, count=None):
     ds[name].encoding["_FillValue"] = None  # no _FillValue attribute: nothing decodes the fill to NaN
 
 
+def _fill_declared(ds, name, count):
+    """Cells holding the variable's declared _FillValue: xarray decodes them to NaN, as a CICE file's land is."""
+    _set_inside(ds, name, np.float32(-999.0), count)
+    ds[name].encoding["_FillValue"] = np.float32(-999.0)
+
+
 def _one_point_domain(ds):
     mask = np.zeros_like(ds["tmask"].values)
     mask.ravel()[np.flatnonzero(_domain(ds))[0]] = 1
@@ -340,6 +346,15 @@ HOSTILE_NETCDF = {
                   {}, "the sea-ice domain is empty"),
     "no latitude": (lambda ds: ds.__delitem__("TLAT"), {}, "has no latitude"),
     "no output": (lambda ds: ds.__delitem__("aice"), {}, "has no output variable 'aice'"),
+    "fill value inside the domain, _FillValue set": (lambda ds: _fill_declared(ds, "sst", 4), {},
+                                                      "input field 'sst' has 4 NaN/inf values"),
+    "air at 1000 K": (lambda ds: _set_inside(ds, "tair", np.float32(1000.0), 1), {},
+                      "field 'tair' (K) has 1 values outside 150 .. 350"),
+    "latitude of strings": (lambda ds: ds.__setitem__("TLAT", (ds["TLAT"].dims, ds["TLAT"].values.astype(str))),
+                            {}, "latitude 'TLAT' holds <U"),
+    "salinity NaN everywhere": (lambda ds: ds.__setitem__("sss", (ds["sss"].dims, np.full(ds["sss"].shape, np.nan,
+                                                                                          np.float32))),
+                                {}, "input field 'sss' has"),
     "one-point domain": (_one_point_domain, {}, "no validation patterns (1 patterns"),
     "thin beyond the domain": (_one_point_domain, {"thin": 50}, "no validation patterns"),
     "max-patterns 1": (lambda ds: None, {"max_patterns": 1}, "no validation patterns (1 patterns"),

@@ -437,6 +437,7 @@ def load_built(directory: Path | str, flag: str = "--data") -> tuple[datasets.Da
     return ds, meta
 
 
+UNIQUE_CHECKS = 5000  # originals whose single solution check_dataset confirms with the solver
 MIN_GIVENS = 17  # no Sudoku with fewer givens has a single solution (McGuire, Tugemann and Civario 2012)
 
 
@@ -484,6 +485,12 @@ def check_dataset(ds: datasets.Dataset, meta: dict, where: str) -> None:
     for i, (question, answer) in enumerate(zip(questions, answers, strict=True)):
         if not (is_valid_solution(answer) and agrees(question, answer)):
             raise UsageError(f"{where}: the answer of {split_of[i]} puzzle {i} does not solve it")
+    # One solution each: the solver stops at a second one (about 2 ms a hard puzzle); a table of more originals than
+    # UNIQUE_CHECKS is checked at evenly spaced ones, so a load stays seconds long.
+    step = max(1, -(-len(questions) // UNIQUE_CHECKS))
+    for i in range(0, len(questions), step):
+        if len(solve(questions[i].tolist(), limit=2).solutions) > 1:
+            raise UsageError(f"{where}: {split_of[i]} puzzle {i} has more than one solution; a Sudoku has exactly one")
 
 
 def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True):

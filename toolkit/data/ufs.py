@@ -175,7 +175,11 @@ def select_patterns(
         domain &= np.nan_to_num(np.asarray(mask.values, dtype=np.float64)) > 0.5
     if min_abs_lat > 0:
         require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
-        lat = np.asarray(grid_field(ds, lat_variable, path).values, dtype=np.float64)
+        lat_field = grid_field(ds, lat_variable, path)
+        if lat_field.dtype.kind not in "fiu":
+            raise UsageError(f"--data {path}: latitude {lat_variable!r} holds {lat_field.dtype} values; latitudes are "
+                             "degrees north (numbers)")
+        lat = np.asarray(lat_field.values, dtype=np.float64)
         if lat.shape != shape:
             raise UsageError(f"--data {path}: latitude {lat_variable!r} has grid {lat.shape}, the fields {shape}")
         domain &= np.abs(np.nan_to_num(lat)) >= min_abs_lat
