@@ -74,6 +74,27 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_path(finished, d
     assert "resumed at epoch 1, batch 0, step 6" in auto.stdout
 
 
+def test_a_resumed_life_that_ends_before_saving_removes_the_dead_lifes_leftovers(finished, tmp_path):
+    # A launcher killed during a save leaves a staging directory; the life that resumes may end before it saves
+    # (here it has no step left to take): it must still leave a run that verifies. Found by the launcher-kill test.
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    root = out / "checkpoints"
+    shutil.copytree(root / "step_9", root / ".step_12.saving")
+    shutil.copytree(root / "step_6", root / ".step_3.pruning")
+    assert {p.name for p, _ in checkpoint.leftovers(out)} == {".step_12.saving", ".step_3.pruning"}
+    assert len(verify_run(out)) == 2
+
+    resumed = run_recipe([*ARGS, "--max-steps", "9", "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY)
+    removed = [line for line in resumed.stdout.splitlines() if line.startswith("removing checkpoints/")]
+    assert sorted(removed) == ["removing checkpoints/.step_12.saving: the staging directory of an interrupted save",
+                               "removing checkpoints/.step_3.pruning: a checkpoint whose deletion (pruning) was "
+                               "interrupted"], resumed.stdout
+    assert checkpoint.leftovers(out) == [] and verify_run(out) == []
+    # and a life resumed at its --max-steps takes no step past it (it took one, step_10, before)
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_3", "step_6", "step_9"]
+
+
 def test_a_run_directory_has_one_live_run_and_dead_launchers_take_their_workers(tmp_path):
     out = tmp_path / "run"
     args = [*ARGS, "--epochs", "100000", "--samples", "4096", "--no-carry", "--output-dir", str(out)]

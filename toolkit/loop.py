@@ -171,6 +171,8 @@ class TrainingLoop:
                              dynamic_ncols=True, desc=self.run.recipe)
         if self.progress.stop_reason:
             self.stopped = True
+        if cfg.max_steps is not None and self.progress.global_step >= cfg.max_steps:
+            self.stopped = True  # resumed at or past --max-steps: no step beyond it
         while self.progress.epoch < cfg.epochs and not self.stopped:
             yield self.progress.epoch
             if self._agree(stop=self._stop_request is not None)[2] and not self.stopped:

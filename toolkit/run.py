@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -424,6 +425,11 @@ def _take_run_dir(run: Run) -> None:
         raise checkpoint.disk_error(error, run.output_dir / LOCK_FILE) from None
     _held_lock = handle
     try:
+        # The lock proves no live run writes here: what saves and prunes of a dead life left behind goes now, so a
+        # resumed run that ends before its first save still leaves a directory that verifies.
+        for leftover, why in checkpoint.leftovers(run.output_dir):
+            print(f"removing {leftover.relative_to(run.output_dir)}: {why}", flush=True)
+            shutil.rmtree(leftover)
         if run.resume_checkpoint is None:  # a fresh start over a life that died before its first checkpoint
             for name in DEAD_LIFE_FILES:  # removed, not emptied: their writers start a new file with its header
                 (run.output_dir / name).unlink(missing_ok=True)

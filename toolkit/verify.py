@@ -289,8 +289,8 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
     named = {str(root / f"step_{n}") for _, n in wanted if n is not None}  # already named above
     for path, why in checkpoint.leftovers(run_dir):
         if str(path) not in named:
-            check.problems.append(f"{path.relative_to(run_dir)} is a leftover: {why}; the run's next save removes "
-                                  "it, or delete it")
+            check.problems.append(f"{path.relative_to(run_dir)} is a leftover: {why}; the run's next life "
+                                  "removes it, or delete it")
     return check
 
 
