@@ -5,9 +5,9 @@ main process writes progress.json and MANIFEST.json (sha256 of every file), rena
 writes the COMPLETE marker last. Pruning renames a checkpoint to `.step_<N>.pruning` before deleting it. What a kill
 leaves behind (a `.saving` or `.pruning` directory, a step_<N> without its marker) is a leftover: `auto` names each
 one newer than the checkpoint it resumes from, an explicit --resume-from rejects it, verify names it, and the run's
-next life removes it once it holds the directory's lock, as does every save (one line each). A complete checkpoint whose files do not match the manifest (a file changed,
-missing, or not listed in it) is damaged: `auto` skips it with one line naming the file, an explicit --resume-from
-refuses it.
+next life removes it once it holds the directory's lock, as does every save (one line each). A complete checkpoint
+whose files do not match the manifest (a file changed, missing, or not listed in it) is damaged: `auto` skips it
+with one line naming the file, an explicit --resume-from refuses it.
 """
 
 from __future__ import annotations
