@@ -188,7 +188,7 @@ def test_baselines_against_hand_computed_forecasts(generated, tmp_path):
              "ids-share-a-row", "id-past-the-matrix", "speed-1e6", "all-zero", "all-nan", "negative-speed",
              "infinite-speed", "string-column", "repeated-timestamp", "adjacency-not-pickle", "adjacency-two-items",
              "adjacency-negative", "adjacency-nan", "adjacency-strings", "two-speed-tables", "no-adjacency",
-             "two-hdf-tables", "id-map-not-a-map"]
+             "two-hdf-tables", "id-map-not-a-map", "adjacency-not-square", "time-runs-backwards"]
 )
 def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path):
     out, frame, ids, adjacency = generated
@@ -202,6 +202,10 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         table = frame.iloc[: minimum_timesteps() - 1]
     elif case == "irregular-time":
         table = frame.drop(frame.index[50])
+    elif case == "time-runs-backwards":
+        table = frame.iloc[::-1]
+    elif case == "adjacency-not-square":
+        graph = (ids, adjacency[:, :-1])
     elif case == "ids-differ":
         graph = (["x" + s for s in ids], adjacency)
     elif case == "speed-1e6":
@@ -275,6 +279,8 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         "no-adjacency": ("must hold exactly one adjacency pickle", "found none"),
         "two-hdf-tables": ("metr-la.h5 holds 2 tables", "/first"),
         "id-map-not-a-map": ("adj_mx.pkl", "id_to_index is not a map"),
+        "adjacency-not-square": ("adj_mx.pkl", "the adjacency is 12 x 11", "12"),
+        "time-runs-backwards": ("metr-la.h5", "the timestamps must increase"),
     }[case]
     for fragment in expected:
         assert fragment in message, message
