@@ -114,6 +114,21 @@ def test_process_count_may_change_at_a_resume(first, second, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+def test_batch_per_process_makes_the_global_batch_grow_with_the_processes(tmp_path):
+    """--batch-per-process 32 on 2 processes is a global batch of 64, as seed 000's "batch x processes"; resuming it
+    on 1 process would halve the global batch, a changed computation: refused in one line naming it."""
+    out = tmp_path / "run"
+    args = [*TOY_ARGS, "--no-carry", "--batch-per-process", "32", "--max-steps", "3", "--output-dir", str(out)]
+    result = run_recipe(args, recipe=TOY, config="cpu_2proc.yaml")
+    assert ranks_seen(result.stdout + result.stderr) == {(0, 2), (1, 2)}
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert (config["batch_size"], config["batch_per_process"]) == (64, 32)
+    assert verify_run(out) == []
+    one = run_recipe([*args, "--resume-from", "auto"], recipe=TOY, check=False)
+    errors = [line for line in one.stderr.splitlines() if line.startswith("error:")]
+    assert one.returncode == 2 and len(errors) == 1 and "--batch-size 64 -> 32" in errors[0], one.stderr
+
+
 def test_per_rank_state_refuses_another_process_count(tmp_path):
     out = tmp_path / "run"
     run_recipe([*TOY_ARGS, "--max-steps", "3", "--output-dir", str(out)], recipe=TOY)

@@ -39,6 +39,10 @@ class TrainConfig:
     batch_size: int = 128
     """GLOBAL batch size per forward pass, split evenly over the processes (must divide by their number).
     The effective batch per optimizer step is batch_size x grad_accum."""
+    batch_per_process: int | None = None
+    """Keep each process's batch fixed instead: the global --batch-size becomes N x the number of processes (seed
+    000's "effective batch = batch x processes"), so adding processes adds samples per step. Give this or
+    --batch-size, not both; config.json records both."""
     lr: float = 1e-3
     """Peak learning rate."""
     grad_accum: int = 1
@@ -99,7 +103,21 @@ def parse_config(config_type: type[ConfigT], args: list[str] | None = None, desc
             raise SystemExit(2) from None
         raise
     validate(config)
+    _apply_batch_per_process(config, sys.argv[1:] if args is None else args)
     return config
+
+
+def _apply_batch_per_process(config: TrainConfig, args: list[str]) -> None:
+    """--batch-per-process N: the global batch is N x the launcher's world size (WORLD_SIZE, 1 without a launcher),
+    set here so that everything after parsing, the recipe's own checks included, sees the global batch."""
+    if config.batch_per_process is None:
+        return
+    if config.batch_per_process < 1:
+        raise UsageError(f"--batch-per-process {config.batch_per_process} is invalid; it must be a positive integer")
+    if any(arg == "--batch-size" or arg.startswith("--batch-size=") for arg in args):
+        raise UsageError("--batch-size and --batch-per-process were both given; give --batch-size (the global batch) "
+                         "or --batch-per-process (each process's batch), not both")
+    config.batch_size = config.batch_per_process * int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def _condense_tyro_error(text: str) -> str:
