@@ -13,6 +13,11 @@ toolkit_job_setup() {
     exit 2
   fi
   RECIPE_ARGS=$(printf '%q ' "$@")
+  if [ -n "${TOOLKIT_SWEEP:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+    # A task of `python -m toolkit sweep --launcher slurm`: its run's flags and directory, written by the sweep.
+    RECIPE_ARGS="$(cat "$TOOLKIT_SWEEP/tasks/$SLURM_ARRAY_TASK_ID.args") $RECIPE_ARGS"
+    RUN_DIR=$(cat "$TOOLKIT_SWEEP/tasks/$SLURM_ARRAY_TASK_ID.dir")
+  fi
   if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
   fi

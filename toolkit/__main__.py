@@ -5,6 +5,10 @@ python -m toolkit doctor [--timeout S] [--skip-bandwidth] [--sizes-mb 1 64] [--j
     plain python, `accelerate launch -m toolkit doctor`, `torchrun -m toolkit doctor` and srun
 python -m toolkit verify RUN_DIR [--expect-world-size N] [--expect-backend gloo]
     check a finished run directory: files, steps/epochs, metrics, checkpoints, world size, throughput
+python -m toolkit compare DIR... [--metric NAME] [--out PNG] [--csv FILE] [--markdown FILE]
+    one table of groups of runs that differ only by seed (mean ± std, n) and one picture of their curves
+python -m toolkit sweep RECIPE --grid KEY=V1,V2 ... --out DIR [--launcher local|slurm] [-- FLAGS FOR EVERY RUN]
+    one run per combination of the grid's values, here or as one SLURM job array; again: skips finished runs
 python -m toolkit launch [accelerate launch arguments]
     accelerate launch with a rendezvous timeout and one-line errors for launch failures
 """
@@ -21,7 +25,7 @@ if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     os.environ["_TOOLKIT_QUIET_LAUNCHER"] = "1"
 
-from toolkit import doctor, launch, verify  # noqa: E402
+from toolkit import compare, doctor, launch, sweep, verify  # noqa: E402
 from toolkit.errors import exit_on_usage_error  # noqa: E402
 
 
@@ -34,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = [
         (doctor, "check that this launch forms a working process group (collective values, barrier, bandwidth)"),
         (verify, "check a finished run directory (files, steps, metrics, checkpoints, world size, throughput)"),
+        (compare, "compare runs: mean ± std per group of seeds, one table and one picture of the curves"),
+        (sweep, "run a grid of flag values over a recipe, here or as a SLURM job array"),
     ]
     for module, summary in subcommands:
         name = module.__name__.rsplit(".", 1)[-1]
@@ -53,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # everything after it belongs to accelerate launch, options included
         return launch.main(argv[1:])
+    common: list[str] = []
+    if argv[:1] == ["sweep"]:  # the flags after `--` go to every run of the sweep, not to argparse
+        argv, common = sweep.split_common(argv)
     args = build_parser().parse_args(argv)
+    args.common = common
     return args.handler(args)
 
 

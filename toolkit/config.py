@@ -84,6 +84,7 @@ class TrainConfig:
 
 
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)
+CHECK_ARGS = "TOOLKIT_CHECK_ARGS"  # =1: parse and check the flags, then exit (0, or 2 with the one error line)
 
 
 def parse_config(config_type: type[ConfigT], args: list[str] | None = None, description: str | None = None,
@@ -104,6 +105,8 @@ def parse_config(config_type: type[ConfigT], args: list[str] | None = None, desc
         raise
     validate(config)
     _apply_batch_per_process(config, sys.argv[1:] if args is None else args)
+    if os.environ.get(CHECK_ARGS) == "1":  # `toolkit sweep` checks a grid's flags before it makes anything
+        raise SystemExit(0)
     return config
 
 

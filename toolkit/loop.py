@@ -451,6 +451,8 @@ class TrainingLoop:
             "epochs_completed": progress.epoch,
             "world_size": self.accelerator.num_processes,
             "stop_reason": progress.stop_reason,
+            "main_metric": self.main_metric,  # what "best" means, for toolkit compare
+            "higher_is_better": self.higher_is_better,
             "final_metrics": progress.last_metrics,
             "best_step": progress.best_step,
             "best_metrics": progress.best_metrics,

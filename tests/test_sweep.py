@@ -1,0 +1,192 @@
+"""`python -m toolkit sweep` and `python -m toolkit compare` on real tiny runs: a 2 x 2 grid run here (killed half-way
+and run again: finished runs skipped, the killed one resumed), compared in one table and one picture; bad inputs;
+and the same grid as a SLURM job array on the local cluster, one task pre-empted and requeued."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import CONFIGS, ROOT, TINY, TOY, logged_steps, recipe_env
+
+from toolkit import checkpoint
+from toolkit.verify import verify_run
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--max-steps", "12", "--eval-every-steps", "3", "--checkpoint-every", "3", "--log-with", "csv",
+          "--log-every", "1", "--no-carry"]
+NAMES = ["seed-0_lr-0.05", "seed-0_lr-0.1", "seed-1_lr-0.05", "seed-1_lr-0.1"]
+
+
+def toolkit(*args, cwd=ROOT, check=True, **popen):
+    command = [sys.executable, "-m", "toolkit", *map(str, args)]
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=recipe_env(), **popen)
+    result = subprocess.run(command, cwd=cwd, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def sweep_args(out):
+    return ["sweep", TOY, "--grid", "seed=0,1", "lr=0.05,0.1", "--out", out, "--config-file",
+            CONFIGS / "cpu.yaml", "--", *COMMON]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """The grid killed (whole process group, SIGKILL) once its second run has a checkpoint, then run again."""
+    out = tmp_path_factory.mktemp("sweep") / "grid"
+    first = toolkit(*sweep_args(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    second_run = out / "runs" / NAMES[1]
+    try:
+        while checkpoint.newest_complete(second_run) is None:  # polling a condition: the second run has saved
+            assert first.poll() is None, first.stdout.read().decode()
+            time.sleep(0.05)  # polling a condition (a checkpoint exists), not a timed wait
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    killed_at = checkpoint.step_of(checkpoint.newest_complete(second_run))
+    again = toolkit(*sweep_args(out))
+    return out, killed_at, again
+
+
+def test_a_killed_sweep_run_again_skips_finished_runs_and_resumes_the_killed_one(swept):
+    out, killed_at, again = swept
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert [run["name"] for run in manifest["runs"]] == NAMES
+    assert manifest["grid"] == {"seed": ["0", "1"], "lr": ["0.05", "0.1"]} and manifest["common"] == COMMON
+    lines = again.stdout.splitlines()
+    assert f"[1/4] {NAMES[0]}: finished before, skipped" in lines
+    assert f"[2/4] {NAMES[1]}: done in" in again.stdout and "all 4 runs finished" in again.stdout
+    assert f"resuming from {out}/runs/{NAMES[1]}/checkpoints/step_{killed_at}" in (
+        out / "logs" / f"{NAMES[1]}.log").read_text()
+    for name in NAMES:
+        run = out / "runs" / name
+        assert verify_run(run) == []
+        config = json.loads((run / "config.json").read_text())["config"]
+        seed, lr = name.split("_")
+        assert (config["seed"], config["lr"], config["max_steps"]) == (int(seed[5:]), float(lr[3:]), 12)
+    # the resumed run equals the same settings run straight (its log.csv has each step once)
+    steps = [row["step"] for row in csv.DictReader(open(out / "runs" / NAMES[1] / "log.csv"))
+             if row["name"] == "train/loss"]
+    assert steps == [str(s) for s in range(1, 13)]
+
+
+def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves(swept, tmp_path):
+    out, _, _ = swept
+    other = tmp_path / "other-recipe"  # a run of another recipe is named, not compared
+    (other).mkdir()
+    (other / "config.json").write_text(json.dumps({"recipe": "sasrec", "config": {"seed": 0}}))
+    (other / "summary.json").write_text(json.dumps({"final_metrics": {"val_ndcg": 0.1}}))
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.json").write_text((out / "runs" / NAMES[0] / "config.json").read_text())
+    result = toolkit("compare", out, unfinished, other, "--out", tmp_path / "c.png", "--csv", tmp_path / "c.csv",
+                     "--markdown", tmp_path / "c.md")
+    assert f"skipped {unfinished}: not finished (no summary.json" in result.stdout
+    assert f"skipped {other}: a run of sasrec, not toy" in result.stdout
+    rows = list(csv.DictReader(open(tmp_path / "c.csv")))
+    assert [(r["group"], r["n"], r["seeds"]) for r in rows] == [("lr=0.05", "2", "0,1"), ("lr=0.1", "2", "0,1")]
+    for row, names in zip(rows, [(NAMES[0], NAMES[2]), (NAMES[1], NAMES[3])], strict=True):
+        finals = [json.loads((out / "runs" / n / "summary.json").read_text())["final_metrics"]["val_mse"]
+                  for n in names]
+        mean, std = row["final val_mse"].split(" ± ")
+        assert float(mean) == pytest.approx(statistics.fmean(finals), rel=1e-3)
+        assert float(std) == pytest.approx(statistics.stdev(finals), rel=1e-3)
+        assert " ± " in row["test_mse"] and " ± " in row["samples/s"]
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "c.md").read_text().startswith("| group | n | seeds | final val_mse |")
+    assert "lr=0.05  2  0,1" in result.stdout
+    by_default = toolkit("compare", out)  # one sweep directory: the picture goes into it
+    assert f"wrote {out}/compare.png" in by_default.stdout and (out / "compare.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--grid"], "--grid is empty"),
+    (["--grid", "seed="], "--grid 'seed=' has an empty value"),
+    (["--grid", "seed=0,1", "seed=2"], "--grid names seed twice"),
+    (["--grid", "nope=1,2"], "run nope-1 of the grid is refused by toy_recipe.py: Unrecognized options: --nope"),
+    (["--grid", "lr=abc"], "refused by toy_recipe.py: Error parsing --lr"),
+    (["--grid", "output_dir=a,b"], "--output-dir is set by the sweep"),
+    (["--grid", "seed=0", "--max-parallel", "-1"], "--max-parallel -1 is invalid"),
+    (["--grid", "seed=0,0"], "repeats a value"),
+], ids=["empty-grid", "empty-value", "key-twice", "unknown-flag", "bad-value", "output-dir", "max-parallel",
+        "repeated-value"])
+def test_bad_sweeps_are_one_line_and_make_nothing(args, fragment, tmp_path):
+    result = toolkit("sweep", TOY, *args, "--out", tmp_path / "new", "--", "--max-steps", "2", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_dir_that_is_a_file_another_sweep_or_compare_of_nothing_is_one_line(swept, tmp_path):
+    out, _, _ = swept
+    cases = [
+        (["sweep", TOY, "--grid", "seed=0", "--out", tmp_path / "file"], "--out", "is a file"),
+        (["sweep", TOY, "--grid", "seed=5", "--out", out, "--", *COMMON], "holds another sweep", ""),
+        (["compare"], "compare needs at least one DIR", ""),
+        (["compare", tmp_path / "empty"], "holds no run", ""),
+    ]
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    for args, *fragments in cases:
+        result = toolkit(*args, check=False)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1 and all(f in errors[0] for f in fragments), result.stderr
+    assert (tmp_path / "file").read_text() == "mine" and list((tmp_path / "empty").iterdir()) == []
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+@pytest.mark.slurm
+@pytest.mark.xdist_group("slurm")
+def test_a_sweep_as_a_slurm_job_array_with_one_task_preempted_and_requeued(slurm_env, tmp_path, movielens_cache):
+    from test_slurm import _nodes_idle, job_field, wait_for
+
+    cluster = {"SLURM_CONF": slurm_env["SLURM_CONF"]}
+    out = tmp_path / "grid"
+    common = [*TINY, "--max-steps", "60", "--log-with", "csv", "--log-every", "1"]
+    submit = subprocess.run(
+        [sys.executable, "-m", "toolkit", "sweep", "recipes/sasrec.py", "--grid", "seed=0,1", "dropout=0.2,0.3",
+         "--out", str(out), "--launcher", "slurm", "--max-parallel", "2", "--sbatch-option=--nodes=1", "--", *common],
+        cwd=ROOT, env=recipe_env(cluster), capture_output=True, text=True, timeout=300)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.split("submitted job array ")[1].split(":")[0]
+    task0 = f"{job}_0"
+    first = out / "runs" / "seed-0_dropout-0.2"
+    wait_for(lambda: logged_steps(first) >= 2, what="the first task to train")
+
+    # Sent once: for an array task scancel delivers the signal (the batch shell forwards it, the task requeues) yet
+    # may still exit 228, "Job can not be altered now", so the requeue is the evidence, not scancel's status.
+    sent = subprocess.run(["scancel", "--batch", "--signal=USR1", task0], env=recipe_env(cluster),
+                          capture_output=True, text=True)
+    wait_for(lambda: job_field(cluster, task0, "Restarts") == "1", what=f"the requeue of task 0 ({sent.stderr})")
+
+    def array_done():
+        states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], env=recipe_env(cluster),
+                                capture_output=True, text=True).stdout.split("\n")
+        return all(not line.strip() or line.split()[0] == task0 for line in states) and _nodes_idle(cluster)
+
+    wait_for(array_done, timeout=600, what="the other tasks to end")
+    subprocess.run(["scontrol", "update", f"JobId={task0}", "StartTime=now"], env=recipe_env(cluster), check=True)
+    wait_for(lambda: (first / "summary.json").exists() and job_field(cluster, task0, "JobState") == "COMPLETED",
+             timeout=600, what="the requeued task to finish")
+    logs = "".join(p.read_text() for p in (first / "logs").glob("*.log"))
+    assert "pre-empted at step" in logs and "resuming from" in logs
+    for name in ("seed-0_dropout-0.2", "seed-0_dropout-0.3", "seed-1_dropout-0.2", "seed-1_dropout-0.3"):
+        run = out / "runs" / name
+        assert verify_run(run, expect_world_size=1) == [], name  # one node per task: two tasks run at once
+        config = json.loads((run / "config.json").read_text())["config"]
+        assert f"seed-{config['seed']}_dropout-{config['dropout']}" == name
+    again = toolkit("sweep", "recipes/sasrec.py", "--grid", "seed=0,1", "dropout=0.2,0.3", "--out", out,
+                    "--launcher", "slurm", "--max-parallel", "2", "--sbatch-option=--nodes=1", "--", *common)
+    assert "all 4 runs finished" in again.stdout  # nothing submitted twice
