@@ -21,7 +21,8 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/python recipes/sasrec.py
 
-# g++ and cmake for the C++ LibTorch consumer of exported models (export/cpp/, built by a test): Debian's packages,
+# g++ and cmake: AOTInductor compiles C++ when a model is exported, and the C++ consumer (export/cpp/) is built by a
+# test. Debian's packages,
 # installed when missing (root needed; without them that test skips and says why).
 cpp-tools:
 	@command -v cmake >/dev/null && command -v g++ >/dev/null || \

@@ -1,22 +1,12 @@
 """The UFS emulator model: statistics as buffers, predictions and the Jacobian in physical units (against finite
-differences), TorchScript export (in-process and by `python -m toolkit.export` from a real run, loaded with
-torch.jit.load) and the C++ LibTorch consumer in export/cpp (built with cmake/g++, predictions equal Python's)."""
+differences), the closed-form Jacobian the export runs (against autograd) and its torch.export trace. The export
+CLI, the C++ consumer and netCDF inference: tests/test_ufs_export.py."""
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
-from conftest import ROOT, read_json, run_recipe
-from safetensors.torch import load_file
 
-from toolkit.data.ufs import synthesize
-from toolkit.models.ufs_emulator import PhysicalEmulator, UfsEmulator, from_run_config
+from toolkit.models.ufs_emulator import ExportedEmulator, UfsEmulator, from_run_config
 
 # Statistics like the real fields': temperatures in K, a humidity in kg/kg, winds in m/s.
 MEAN = torch.tensor([273.4, 263.0, 2.2e-3, -0.1], dtype=torch.float64)
@@ -88,153 +78,42 @@ def test_jacobian_in_physical_units_matches_finite_differences():
     assert torch.allclose(single.jacobian(x), jacobian, rtol=1e-4, atol=1e-4 * scale.max().item())
 
 
-def test_torchscript_module_predicts_what_the_model_predicts(tmp_path):
-    model = model_with_stats()
-    exported = torch.jit.script(PhysicalEmulator(model, ["tair", "tsfc", "qref", "uatm"], ["aice", "hi"]))
-    torch.jit.save(exported, str(tmp_path / "m.pt"))
-    loaded = torch.jit.load(str(tmp_path / "m.pt"))
+def test_closed_form_jacobian_is_autograds():
+    """predict_with_jacobian (plain tensor ops, what the export traces) against jacobian (autograd): equal to 1e-10
+    in float64, for both GELU forms and a single point; its predictions are predict()'s bit for bit."""
+    for approximate in ("none", "tanh"):
+        model = model_with_stats(torch.float64)
+        for layer in model.net:
+            if isinstance(layer, torch.nn.GELU):
+                layer.approximate = approximate
+        for x in (physical_inputs(7), physical_inputs(1)):
+            predictions, jacobian = model.predict_with_jacobian(x)
+            autograd = model.jacobian(x).detach()
+            assert torch.equal(predictions, model.predict(x)) and jacobian.shape == (len(x), 2, 4)
+            scale = autograd.abs().amax(dim=(0, 1), keepdim=True)  # per input: its units' range
+            assert ((jacobian - autograd).abs() / scale).max() < 1e-10, approximate
+    # the float32 network: the same chain in float32, equal to autograd's to float32 accuracy
+    single = model_with_stats(torch.float32)
     x = physical_inputs()
-    assert torch.equal(loaded(x), model.predict(x))
-    assert list(loaded.input_names) == ["tair", "tsfc", "qref", "uatm"] and list(loaded.output_names) == ["aice", "hi"]
+    predictions, jacobian = single.predict_with_jacobian(x)
+    autograd = single.jacobian(x).detach()
+    assert torch.equal(predictions, single.predict(x))
+    assert ((jacobian - autograd).abs() / autograd.abs().amax(dim=(0, 1), keepdim=True)).max() < 1e-5
 
 
-# ---- from a real run: python -m toolkit.export, then the C++ consumer ----------------------------------------
+def test_exported_emulator_traces_with_any_number_of_points():
+    """torch.export of ExportedEmulator (no AOTInductor compile here: that is tests/test_ufs_export.py): the
+    program's outputs are the closed form's for 1 and for 9 points, without a DeprecationWarning."""
+    import warnings
 
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    where = tmp_path_factory.mktemp("ufs-run")
-    data = synthesize(where / "grid.nc", seed=5, nlat=24, nlon=48)
-    run_dir = where / "run"
-    run_recipe(
-        [
-            "--data",
-            str(data),
-            "--batch-size",
-            "40",
-            "--epochs",
-            "3",
-            "--lr",
-            "3e-3",
-            "--log-with",
-            "none",
-            "--output-dir",
-            str(run_dir),
-        ],
-        recipe="ufs_emulator",
-    )
-    return run_dir, data
-
-
-def best_model(run_dir: Path) -> UfsEmulator:
-    model = from_run_config(read_json(run_dir / "config.json")["config"])
-    step = read_json(run_dir / "summary.json")["best_step"]
-    model.load_state_dict(load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors")))
-    return model.eval()
-
-
-def validation_like_inputs(data: Path, n: int = 50) -> torch.Tensor:
-    from accelerate import Accelerator
-
-    from toolkit.data.ufs import load_patterns
-
-    return load_patterns(Accelerator(cpu=True), data).valid_inputs[:n]
-
-
-@pytest.fixture(scope="module")
-def exported(trained_run):
-    run_dir, _ = trained_run
-    out = run_dir.parent / "emulator.pt"
-    done = subprocess.run(
-        [sys.executable, "-m", "toolkit.export", "torchscript", str(run_dir), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert f"wrote {out}" in done.stdout and "step_" in done.stdout
-    return out
-
-
-@pytest.mark.slow
-def test_export_cli_writes_the_best_checkpoint_as_torchscript(trained_run, exported):
-    run_dir, data = trained_run
-    loaded = torch.jit.load(str(exported))
-    x = validation_like_inputs(data)
-    assert torch.equal(loaded(x), best_model(run_dir).predict(x))
-    assert list(loaded.output_names) == ["aice"] and len(loaded.input_names) == 14
-    # one error line for a directory that is not a run
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "toolkit.export",
-            "torchscript",
-            str(run_dir / "checkpoints"),
-            "--out",
-            str(run_dir.parent / "x.pt"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "config.json" in bad.stderr
-    assert not (run_dir.parent / "x.pt").exists()
-
-
-def build_cpp_consumer() -> Path:
-    """cmake + g++ against the torch wheel's LibTorch, into a temporary build directory kept per source version
-    (a LibTorch compile takes minutes on 2 cores; later runs reuse it)."""
-    from filelock import FileLock
-
-    sources = ROOT / "export" / "cpp"
-    digest = hashlib.sha1(torch.__version__.encode())
-    for path in sorted(sources.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    build = Path("/tmp") / f"toolkit-ufs-cpp-{digest.hexdigest()[:12]}"
-    binary = build / "ufs_emulator"
-    with FileLock(str(build) + ".lock"):
-        if not binary.exists():
-            shutil.rmtree(build, ignore_errors=True)
-            configure = subprocess.run(
-                [
-                    "cmake",
-                    "-S",
-                    str(sources),
-                    "-B",
-                    str(build),
-                    "-DCMAKE_BUILD_TYPE=Release",
-                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-                ],
-                capture_output=True,
-                text=True,
-            )
-            assert configure.returncode == 0, configure.stdout + configure.stderr
-            compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
-            assert compiled.returncode == 0, compiled.stdout + compiled.stderr
-    return binary
-
-
-@pytest.mark.slow
-def test_cpp_consumer_predicts_what_python_predicts(trained_run, exported, tmp_path):
-    missing = [tool for tool in ("cmake", "g++") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed (make test installs them; apt-get install cmake g++)")
-    binary = build_cpp_consumer()
-    run_dir, data = trained_run
-    x = validation_like_inputs(data)
-    names = list(torch.jit.load(str(exported)).input_names)
-    csv = tmp_path / "inputs.csv"
-    csv.write_text(",".join(names) + "\n" + "".join(",".join(repr(v) for v in row) + "\n" for row in x.tolist()))
-    done = subprocess.run([str(binary), str(exported), str(csv)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
-    assert lines[0] == "aice" and len(lines) == 1 + len(x)
-    from_cpp = torch.tensor([[float(v) for v in line.split(",")] for line in lines[1:]], dtype=torch.float64)
-    python = best_model(run_dir).predict(x).detach()
-    assert (from_cpp - python).abs().max() < 1e-6
-    assert python.std() > 1e-3  # the inputs really differ: not one constant compared with itself
-    bad = tmp_path / "short.csv"
-    bad.write_text("1,2,3\n")
-    refused = subprocess.run([str(binary), str(exported), str(bad)], capture_output=True, text=True)
-    assert refused.returncode == 2 and "has 3 values; the model takes 14" in refused.stderr
+    model = model_with_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        program = torch.export.export(
+            ExportedEmulator(model), (physical_inputs(2),), dynamic_shapes={"x": {0: torch.export.Dim("points", min=1)}}
+        )
+    for n in (1, 9):
+        x = physical_inputs(n)
+        predictions, jacobian = program.module()(x)
+        expected_predictions, expected_jacobian = model.predict_with_jacobian(x)
+        assert torch.equal(predictions, expected_predictions) and torch.equal(jacobian, expected_jacobian)

@@ -4,13 +4,20 @@
     z = model.normalise_inputs(x)        # physical -> normalised (float64 arithmetic, the network's dtype)
     model(z)                             # the network: normalised inputs -> normalised outputs (what is trained)
     model.predict(x)                     # physical units in and out
-    model.jacobian(x)                    # d outputs / d inputs in physical units, [n, outputs, inputs]
-    torch.jit.script(PhysicalEmulator(model))   # TorchScript module whose forward is predict()
+    model.jacobian(x)                    # d outputs / d inputs in physical units, [n, outputs, inputs] (autograd)
+    model.predict_with_jacobian(x)       # both at once in plain tensor ops (closed form), what the export runs
+    torch.export.export(ExportedEmulator(model), (x,), ...)   # forward(x) = predict_with_jacobian(x)
 
-The normalisation statistics are float64 buffers of the model, so a saved model (safetensors, TorchScript) predicts
-in physical units by itself; normalising in float64 keeps the digits of large-mean fields (temperatures in K,
-float32 ulp 3e-5 at 273 K) that a float32 subtraction would round away.
+The export (toolkit/export.py: torch.export + AOTInductor, for C++) needs the Jacobian without autograd: an MLP's is
+closed form, W_L diag(gelu'(a_{L-1})) W_{L-1} ... diag(gelu'(a_1)) W_1 in normalised space, chained in the
+network's dtype alongside the forward pass, then scaled by output_std / input_std in float64.
+
+The normalisation statistics are float64 buffers of the model, so a saved model (safetensors, the exported
+package) predicts in physical units by itself; normalising in float64 keeps the digits of large-mean fields
+(temperatures in K, float32 ulp 3e-5 at 273 K) that a float32 subtraction would round away.
 """
+
+import math
 
 import torch
 from torch import nn
@@ -82,23 +89,47 @@ class UfsEmulator(nn.Module):
         normalised = torch.func.vmap(torch.func.jacrev(one))(z).double()  # [n, outputs, inputs]
         return normalised * self.output_std[:, None] / self.input_std[None, :]
 
+    def predict_with_jacobian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predict(x), jacobian(x)) in one pass of plain tensor operations: the chain rule through the layers,
+        written out (no autograd, so torch.export traces it). Predictions equal predict(x) bit for bit."""
+        h = self.normalise_inputs(x)
+        chain = None  # d h / d z so far: [1 or n, width, inputs] (the first layer's is the same for every point)
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                chain = layer.weight.unsqueeze(0) if chain is None else torch.matmul(layer.weight, chain)
+                h = layer(h)
+            elif isinstance(layer, nn.GELU):
+                chain = gelu_derivative(layer, h).unsqueeze(-1) * chain
+                h = layer(h)
+            else:
+                raise TypeError(f"predict_with_jacobian has no derivative for {type(layer).__name__}")
+        # x.shape[0], not len(x): torch.export keeps the number of points symbolic (any n).
+        jacobian = chain.expand(x.shape[0], -1, -1).double() * self.output_std[:, None] / self.input_std[None, :]
+        return self.to_physical_outputs(h), jacobian
 
-class PhysicalEmulator(nn.Module):
-    """The exported form: forward(x) = predict(x), physical units in and out (float64), names as attributes."""
 
-    input_names: list[str]
-    output_names: list[str]
+def gelu_derivative(gelu: nn.GELU, a: torch.Tensor) -> torch.Tensor:
+    """d gelu(a) / d a, elementwise, for both of torch's GELU forms."""
+    if gelu.approximate == "tanh":  # 0.5 a (1 + tanh(u)), u = sqrt(2/pi) (a + 0.044715 a^3)
+        k = math.sqrt(2.0 / math.pi)
+        t = torch.tanh(k * (a + 0.044715 * a * a * a))
+        return 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+    # a Phi(a): Phi(a) + a phi(a)
+    return 0.5 * (1.0 + torch.erf(a * (1.0 / math.sqrt(2.0)))) + a * torch.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
 
-    def __init__(self, model: UfsEmulator, input_names: list[str], output_names: list[str]):
+
+class ExportedEmulator(nn.Module):
+    """The exported form: forward(x) = (predictions [n, outputs], Jacobian [n, outputs, inputs]), physical units in
+    and out (float64), without autograd (torch.export traces plain tensor operations)."""
+
+    def __init__(self, model: UfsEmulator):
         super().__init__()
         self.model = model
-        self.input_names = list(input_names)
-        self.output_names = list(output_names)
         for parameter in self.parameters():  # an inference module: no autograd graph in its outputs
             parameter.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.predict(x)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.predict_with_jacobian(x)
 
 
 def from_run_config(config: dict) -> UfsEmulator:
