@@ -34,7 +34,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, orphans, preemption, shutdown
+from toolkit import checkpoint, orphans, precision, preemption, shutdown
 from toolkit.config import TrainConfig
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -176,6 +176,9 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
         )
     if config.threads:  # after the Accelerator: it may have set its own thread count
         torch.set_num_threads(config.threads)
+    slow_bf16 = None
+    if accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        slow_bf16 = precision.bf16_warning()  # measured with this process's threads, before any seed is set
     set_seed(config.seed, deterministic=config.deterministic)
     preemption.install_handler()
 
@@ -183,7 +186,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
               dict(extra_info or {}))
     watch_peers(accelerator.process_index, accelerator.num_processes, output_dir)
     _announce_rank(accelerator)
-    for line in warnings:
+    for line in [*warnings, *([slow_bf16] if slow_bf16 else [])]:
         run.print(line)
     where = f"resuming from {resume_checkpoint}" if resume_checkpoint else "fresh start"
     run.print(f"run {run_name}: {output_dir} ({where}); {accelerator.num_processes} process(es), {accelerator.device}")
