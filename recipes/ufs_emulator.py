@@ -6,21 +6,34 @@ Runs unchanged on one CPU process with many threads (seed 000's CPU-node mode), 
     python -m toolkit.data.ufs synth --out data/gdas-like.nc            # a file with a known noise floor sigma
     python recipes/ufs_emulator.py --data data/gdas-like.nc --threads 2
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/ufs_emulator.py --data data/gdas-like.nc
-    sbatch slurm/multinode_cpu.sbatch recipes/ufs_emulator.py --data /path/to/gdas.ice.t00z.inst.f009.nc
-    python -m toolkit.export torchscript runs/ufs_emulator/<run> --out emulator.pt    # for C++ (export/cpp/)
+    sbatch slurm/multinode_cpu.sbatch recipes/ufs_emulator.py --preset gdas --data /path/to/gdas.ice.t00z.inst.f009.nc
+    python recipes/ufs_emulator.py --data ocean.nc --data-atmos atmos.nc --mask-variable umask --hemisphere north
+    python -m toolkit.export aoti runs/ufs_emulator/<run> --out emulator.pt2    # for C++ (export/cpp/)
 
-Features: inputs and outputs chosen by variable name (default: sst sss tair tsfc hi hs sice uocn vocn uatm vatm
-qref flwdn fswdn -> aice); patterns are the cells of the sea-ice domain (ocean mask, |latitude| >= --min-abs-lat),
-thinned (--thin), capped (--max-patterns) and split into training and validation (--val-fraction) by keyed coins
-per cell; each rank reads its own strided share of the patterns (seed 001) and the per-feature mean/std of inputs
-and outputs are merged over the ranks as (count, mean, M2) in float64, stored IN the model as buffers (a std below
-1e-6 becomes 1); the network trains in normalised space with MSE; validation reports RMSE and MAE in physical
-units, R^2 and, for generated files, RMSE / the noise floor sigma; early stopping on the validation loss
-(--patience); the best weights give the final validation metrics and a predicted-vs-true scatter (val_scatter.png).
+Presets (--preset; any flag overrides the preset's value): `cpu` (the default: 300 epochs, early stopping after 20
+evaluations without improvement; minutes on a laptop CPU for the generated file, NOT the teams' training length)
+and `gdas` (the teams' settings for GDAS CICE files: 100,000 epochs, a patience of 50 that is only reported, never
+stopping before 3,000 epochs, at most 400,000 patterns per process). Both: 3 x 64 GELU, Adam lr 1e-4, weight decay
+1e-4, batch 1000 (GLOBAL: split over the processes; --batch-per-process 1000 keeps seed 000's 1000 per process).
 
-Errors (one line, exit 2, before anything is written): no --data, a missing or unreadable file, a missing variable,
-an all-masked domain, NaNs inside the domain (with their count), out-of-range numbers, a batch larger than the
-training patterns, and everything the shared flags refuse.
+Features: inputs and outputs chosen by our variable names (default: sst sss tair tsfc hi hs sice uocn vocn uatm vatm
+qref flwdn fswdn -> aice), found in the file(s) under an explicit name (--variables NAME=VAR), ours, the CICE history
+name (sst_h, Tair_h, Qref_h, aice_h, ...) or a CF standard name, reported in one line (`variables: sst<-sst_h, ...`);
+the inputs may come from two files on one grid (--data ocean/ice, --data-atmos atmosphere); patterns are the cells
+of the sea-ice domain (ocean mask tmask or umask with their latitudes TLAT or ULAT, |latitude| >= --min-abs-lat in
+--hemisphere north, south or both, open water in or out: --no-open-water keeps aice > 0 only), thinned (--thin),
+capped (--max-patterns, --max-patterns-per-rank) and split into training and validation (--val-fraction) by keyed
+coins per cell; each rank reads its own strided share of the patterns (seed 001) and the per-feature mean/std of
+inputs and outputs are merged over the ranks as (count, mean, M2) in float64, stored IN the model as buffers (a std
+below 1e-6 becomes 1); the network trains in normalised space with MSE; validation reports RMSE and MAE in physical
+units, R^2, for generated files RMSE / the noise floor sigma, and the emulator's Jacobian as the mean |d aice / d x|
+per input in physical units (`val_jac_abs_mean/<input>`: what data assimilation uses of the model); early stopping
+on the validation loss (--patience, --min-epochs, or only reported with --no-stop-early); the best weights give the
+final validation metrics and a predicted-vs-true scatter (val_scatter.png).
+
+Errors (one line, exit 2, before anything is written): no --data, a missing or unreadable file, a missing variable
+(with the names tried), two files on different grids, an all-masked domain, NaNs inside the domain (with their
+count), out-of-range numbers, a batch larger than the training patterns, and everything the shared flags refuse.
 """
 
 from __future__ import annotations
@@ -43,10 +56,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
 from toolkit.data.cache import file_fingerprint  # noqa: E402
 from toolkit.data.ufs import (  # noqa: E402
+    AUTO,
     DEFAULT_INPUTS,
     DEFAULT_OUTPUTS,
     FORMAT_VERSION,
     PatternRows,
+    describe_variables,
     load_patterns,
     whole_batch,
 )
@@ -60,22 +75,41 @@ from toolkit.tracking import format_table  # noqa: E402
 
 @dataclass
 class UfsConfig(TrainConfig):
+    """The `cpu` preset: a CPU-sized training length (minutes on a laptop for the generated file)."""
+
+    preset: Literal["cpu", "gdas"] = "cpu"
+    """Defaults for every other flag: cpu (300 epochs, patience 20) or gdas (the teams' settings: 100,000 epochs,
+    patience 50 reported only, at least 3,000 epochs, 400,000 patterns per process). Explicit flags win."""
     data: Path | None = None
-    """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one)."""
+    """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one); with
+    --data-atmos, the ocean/ice file."""
+    data_atmos: Path | None = None
+    """A second netCDF file on the same grid holding (some of) the inputs, e.g. the atmosphere's."""
     inputs: tuple[str, ...] = DEFAULT_INPUTS
-    """Input variables, by name."""
+    """Input variables, by our names (each found under --variables, ours, the CICE history name or a CF name)."""
     outputs: tuple[str, ...] = DEFAULT_OUTPUTS
-    """Output variables, by name."""
-    mask_variable: str = "tmask"
-    """Ocean mask variable (cells > 0.5 are ocean); "" = every cell."""
-    lat_variable: str = "TLAT"
-    """Latitude variable (degrees) for --min-abs-lat."""
+    """Output variables, by our names."""
+    variables: tuple[str, ...] = ()
+    """Names in the file(s) for some of --inputs/--outputs, as NAME=VARIABLE (e.g. sst=SST tair=T2m); the others are
+    looked up as ours, CICE's (sst_h, Tair_h, Qref_h, aice_h, ...), then CF standard names."""
+    mask_variable: str = AUTO
+    """Ocean mask variable (cells > 0.5 are ocean): auto = tmask, else umask; "" = every cell."""
+    lat_variable: str = AUTO
+    """Latitude variable (degrees) for --min-abs-lat and --hemisphere: auto = the mask's (TLAT for tmask, ULAT for
+    umask), else TLAT, ULAT, lat, latitude or a standard_name latitude."""
     min_abs_lat: float = 40.0
     """The sea-ice domain: cells with |latitude| >= this (0 = every latitude)."""
+    hemisphere: Literal["both", "north", "south"] = "both"
+    """The sea-ice domain: poleward of --min-abs-lat in this hemisphere, or both."""
+    open_water: bool = True
+    """Keep open-water cells (aice = 0) in the domain; --no-open-water keeps aice > 0 only."""
     thin: int = 1
     """Keep every N-th domain cell."""
     max_patterns: int = 0
     """At most this many patterns (a keyed random subset; 0 = all)."""
+    max_patterns_per_rank: int = 0
+    """At most this many patterns per process: the cap is N x the process count (a keyed random subset, the same as
+    --max-patterns N x processes; 0 = none). The teams' cap of 400,000 points per rank."""
     val_fraction: float = 0.1
     """Share of the patterns held out for validation (a keyed coin per cell)."""
     range_factor: float = 1.0
@@ -93,10 +127,56 @@ class UfsConfig(TrainConfig):
     """Stop when the validation loss has not improved by --min-delta for this many evaluations (0 = never)."""
     min_delta: float = 0.0
     """Improvement of the validation loss that resets the patience."""
-    # The reference settings for the shared flags.
+    stop_early: bool = True
+    """Stop when the patience runs out; --no-stop-early only reports it (one line), as the teams' training does."""
+    min_epochs: int = 0
+    """Never stop early before this many epochs."""
+    # Shared flags: a CPU-sized length (not the teams': see the gdas preset); the reference's batch and learning rate.
     epochs: int = 300
     batch_size: int = 1000
     lr: float = 1e-4
+
+
+@dataclass
+class GdasConfig(UfsConfig):
+    """The `gdas` preset: the teams' training of the emulator on GDAS CICE history files (seeds 000/001)."""
+
+    preset: Literal["cpu", "gdas"] = "gdas"
+    epochs: int = 100_000
+    patience: int = 50
+    stop_early: bool = False
+    min_epochs: int = 3_000
+    max_patterns_per_rank: int = 400_000
+
+
+PRESETS = {"cpu": UfsConfig, "gdas": GdasConfig}
+
+
+def chosen_preset(argv: list[str] | None) -> type[UfsConfig]:
+    """The preset's config class, read ahead of parsing so that its values become the defaults (an unknown name is
+    left to the parser, which names the valid ones)."""
+    args = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--preset" and i + 1 < len(args) else arg.partition("=")[2]
+        if arg == "--preset" or arg.startswith("--preset="):
+            return PRESETS.get(value, UfsConfig)
+    return UfsConfig
+
+
+def variable_names(cfg: UfsConfig) -> dict[str, str]:
+    """--variables NAME=VARIABLE as {our name: name in the file} (one error line for a malformed or unknown one)."""
+    names: dict[str, str] = {}
+    for item in cfg.variables:
+        name, equals, variable = item.partition("=")
+        if not equals or not name or not variable:
+            raise UsageError(f"--variables {item} is invalid; give NAME=VARIABLE pairs, e.g. sst=SST tair=T2m")
+        if name not in (*cfg.inputs, *cfg.outputs):
+            raise UsageError(f"--variables {item}: {name!r} is not one of --inputs/--outputs "
+                             f"({' '.join((*cfg.inputs, *cfg.outputs))})")
+        if name in names:
+            raise UsageError(f"--variables names {name!r} twice ({name}={names[name]}, {item}); give it once")
+        names[name] = variable
+    return names
 
 
 def check(cfg: UfsConfig) -> None:
@@ -106,8 +186,11 @@ def check(cfg: UfsConfig) -> None:
             "--data is required: a CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth "
             "--out data/gdas-like.nc writes a generated one)"
         )
+    if cfg.data_atmos is not None and cfg.data_atmos.expanduser().resolve() == cfg.data.expanduser().resolve():
+        raise UsageError(f"--data-atmos {cfg.data_atmos} is the --data file; give the atmosphere file, or leave "
+                         "--data-atmos out when one file holds every variable")
     require_at_least(cfg, 1, "thin", "hidden", "layers")
-    require_at_least(cfg, 0, "max_patterns", "patience")
+    require_at_least(cfg, 0, "max_patterns", "max_patterns_per_rank", "patience", "min_epochs")
     if not 0 < cfg.val_fraction < 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid; it must be in (0, 1)")
     if not (cfg.range_factor == 0 or (cfg.range_factor >= 1 and math.isfinite(cfg.range_factor))):
@@ -123,6 +206,7 @@ def check(cfg: UfsConfig) -> None:
             raise UsageError(f"{flag} {' '.join(names)} is invalid; give one or more distinct variable names")
     if set(cfg.inputs) & set(cfg.outputs):
         raise UsageError(f"{sorted(set(cfg.inputs) & set(cfg.outputs))[0]} is in both --inputs and --outputs")
+    variable_names(cfg)
 
 
 class EarlyStopping:
@@ -168,7 +252,7 @@ def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tens
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(UfsConfig, argv, description=__doc__)
+    cfg = parse_config(chosen_preset(argv), argv, description=__doc__)
     check(cfg)
     run = start_run(cfg, recipe="ufs_emulator")
     accelerator = run.accelerator
@@ -187,6 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
         val_fraction=cfg.val_fraction,
         seed=cfg.seed,
         range_factor=cfg.range_factor,
+        atmos_path=cfg.data_atmos,
+        variables=variable_names(cfg),
+        hemisphere=cfg.hemisphere,
+        open_water=cfg.open_water,
+        max_patterns_per_rank=cfg.max_patterns_per_rank,
     )
     meta = patterns.meta
     if cfg.batch_size > meta["train_patterns"]:
@@ -195,9 +284,19 @@ def main(argv: list[str] | None = None) -> dict:
             f"{cfg.data}; use a smaller one"
         )
     sigma = meta["attributes"].get("noise_sigma")  # generated files: the noise floor of the (single) output
+    fingerprint = file_fingerprint(cfg.data.expanduser(), FORMAT_VERSION)
+    if cfg.data_atmos is not None:  # either file changing changes the data
+        fingerprint += "+" + file_fingerprint(cfg.data_atmos.expanduser(), FORMAT_VERSION)
+    if cfg.max_patterns_per_rank and meta["patterns"] < math.ceil(meta["domain_cells"] / cfg.thin):
+        # a cap per process: another process count is another subset, which a resume must refuse
+        fingerprint += f"/{meta['patterns']}"
     run.describe_data(
-        file_fingerprint(cfg.data.expanduser(), FORMAT_VERSION),
+        fingerprint,
         path=str(cfg.data),
+        atmos_path=None if cfg.data_atmos is None else str(cfg.data_atmos),
+        variables=meta["variables"],
+        mask_variable=meta["mask_variable"],
+        lat_variable=meta["lat_variable"],
         patterns=meta["patterns"],
         train=meta["train_patterns"],
         valid=meta["valid_patterns"],
@@ -205,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         units=meta["units"],
         noise_sigma=sigma,
     )
+    run.print(describe_variables(meta))
     run.print(
         f"data: {meta['patterns']} patterns of {meta['domain_cells']} domain cells on a {meta['grid']} grid "
         f"({meta['train_patterns']} training, {meta['valid_patterns']} validation)"
@@ -224,7 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
         index_name="pattern",
     )
     valid_set = PatternRows(
-        {"x": model.normalise_inputs(patterns.valid_inputs), "y_true": patterns.valid_targets}, index_name="pattern"
+        {
+            "x": model.normalise_inputs(patterns.valid_inputs),
+            "x_physical": patterns.valid_inputs,  # the Jacobian's point, in the file's units (float64)
+            "y_true": patterns.valid_targets,
+        },
+        index_name="pattern",
     )
     valid_variance = patterns.valid_targets.var(dim=0, unbiased=False)  # for R^2 (float64, the whole split)
     loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=whole_batch)
@@ -240,15 +345,25 @@ def main(argv: list[str] | None = None) -> dict:
         f"{sum(p.numel() for p in emulator.parameters()):,} parameters"
     )
 
+    def jacobian_names(prefix: str) -> list[str]:
+        """Column names of the mean |d output / d input| (output named only when there are several)."""
+        return [f"{prefix}_jac_abs_mean/{f'{output}/' if len(cfg.outputs) > 1 else ''}{name}"
+                for output in cfg.outputs for name in cfg.inputs]
+
     def validation_metrics(prefix: str, keep: list | None = None) -> dict:
-        """RMSE/MAE in physical units, R^2, and the normalised MSE (the training loss) over the whole split."""
+        """RMSE/MAE in physical units, R^2, the normalised MSE (the training loss) and the mean |Jacobian| in
+        physical units (d output / d input at each validation pattern, full precision: outside autocast) over the
+        whole split, every rank's patterns gathered (each counted once)."""
         sums = torch.zeros(len(cfg.outputs), 5, dtype=torch.float64)
+        jacobian_sums = torch.zeros(len(cfg.outputs) * len(cfg.inputs), dtype=torch.float64)
         for batch in valid_loader:
             with accelerator.autocast():
                 out = model(batch["x"])
             predicted = emulator.to_physical_outputs(out.float())
-            predicted, true = accelerator.gather_for_metrics((predicted, batch["y_true"]))
+            jacobian = emulator.jacobian(batch["x_physical"]).abs().flatten(1)  # [n, outputs x inputs]
+            predicted, true, jacobian = accelerator.gather_for_metrics((predicted, batch["y_true"], jacobian))
             sums += masked_error_sums(predicted, true, keep_dims=1).cpu()
+            jacobian_sums += jacobian.sum(dim=0).cpu()
             if keep is not None:
                 keep.append((predicted.cpu(), true.cpu()))
         metrics = {}
@@ -263,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
         if sigma and len(cfg.outputs) == 1:
             metrics[f"{prefix}_rmse_over_sigma"] = metrics[f"{prefix}_rmse_{cfg.outputs[0]}"] / float(sigma)
         metrics[f"{prefix}_loss"] = normalised_mse
+        for name, total in zip(jacobian_names(prefix), jacobian_sums.tolist(), strict=True):
+            metrics[name] = total / meta["valid_patterns"]
         return metrics
 
     early_stopping = EarlyStopping(cfg.patience, cfg.min_delta)
@@ -270,7 +387,12 @@ def main(argv: list[str] | None = None) -> dict:
     def validate() -> dict:
         metrics = validation_metrics("val")
         if early_stopping.update(metrics["val_loss"]):
-            loop.request_stop(f"val_loss has not improved by {cfg.min_delta} for {cfg.patience} evaluations")
+            why = f"val_loss has not improved by {cfg.min_delta} for {cfg.patience} evaluations"
+            if not cfg.stop_early:  # the teams' training reports the patience and trains on
+                if early_stopping.stale == cfg.patience:
+                    run.print(f"{why} (reported only: --no-stop-early)")
+            elif loop.progress.epoch >= cfg.min_epochs:
+                loop.request_stop(why)
         return metrics
 
     loop = TrainingLoop(

@@ -1,6 +1,8 @@
 """UFS emulator data: the generator's file (fields, units, noise of the recorded sigma), the sea-ice domain, cap and
 thin, the strided sharding (statistics and patterns independent of it, also in a real 2-process gloo run, and
-accurate for temperatures near 273 K where sqrt(E[x^2] - mean^2) is not), and one-line errors for bad files."""
+accurate for temperatures near 273 K where sqrt(E[x^2] - mean^2) is not), real CICE files (CICE history and CF
+names, explicit names, an atmosphere file beside the ocean one, umask/ULAT, hemisphere, open water, a cap per rank),
+and one-line errors for bad files."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from accelerate import Accelerator
 from conftest import ROOT, ranks_seen, run_recipe
 
 from toolkit.data.ufs import (
+    ATMOSPHERE_FIELDS,
+    CICE_NAMES,
     DEFAULT_INPUTS,
     FIELDS,
     assemble_strided,
     clean_aice,
+    describe_variables,
     load_patterns,
     open_dataset,
     read_shard,
@@ -377,3 +382,218 @@ def test_a_wider_range_or_none_accepts_what_the_default_refuses(grid_file, accel
         load_patterns(accelerator, path)
     assert load_patterns(accelerator, path, range_factor=2.0).meta["patterns"] > 0
     assert load_patterns(accelerator, path, range_factor=0).meta["patterns"] > 0
+
+
+# ---- real CICE files: names, two files, the teams' domain selection -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cice_files(tmp_path_factory):
+    """The grid_file's values under CICE history names, the atmospheric fields in a second file."""
+    where = tmp_path_factory.mktemp("cice")
+    ocean = synthesize(where / "ocean.nc", seed=3, nlat=60, nlon=120, sigma=0.05, naming="cice",
+                       atmos_out=where / "atmos.nc")
+    return ocean, where / "atmos.nc"
+
+
+def test_cice_names_in_two_files_give_the_patterns_of_one_file_with_our_names(cice_files, grid_file, accelerator):
+    ocean, atmos = cice_files
+    with xr.open_dataset(ocean) as o, xr.open_dataset(atmos) as a:
+        assert {"sst_h", "aice_h", "Tsfc_h", "tmask", "umask", "TLAT", "ULAT"} <= set(o.variables)
+        assert {CICE_NAMES[n] for n in ATMOSPHERE_FIELDS} <= set(a.variables) and "Tair_h" not in o.variables
+        assert not set(o.variables) & {"sst", "aice", "tair"}
+    ours = load_patterns(accelerator, grid_file, seed=1)
+    cice = load_patterns(accelerator, ocean, atmos_path=atmos, seed=1)
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "input_mean", "input_std"):
+        assert torch.equal(getattr(ours, name), getattr(cice, name)), name
+    assert describe_variables(cice.meta) == (
+        "variables: sst<-sst_h, sss<-sss_h, tair<-Tair_h, tsfc<-Tsfc_h, hi<-hi_h, hs<-hs_h, sice<-sice_h, "
+        "uocn<-uocn_h, vocn<-vocn_h, uatm<-uatm_h, vatm<-vatm_h, qref<-Qref_h, flwdn<-flwdn_h, fswdn<-fswdn_h, "
+        "aice<-aice_h, mask<-tmask, lat<-TLAT; from --data-atmos: tair, uatm, vatm, qref, flwdn, fswdn"
+    )
+    assert describe_variables(ours.meta).startswith("variables: sst<-sst, sss<-sss,")
+
+
+def test_cf_standard_names_and_explicit_names_are_found(grid_file, accelerator, tmp_path):
+    def rename(ds):
+        ds["SST_x"] = ds["sst"].assign_attrs(standard_name="sea_surface_temperature")  # found by standard_name
+        ds["sea_ice_area_fraction"] = ds["aice"]  # found by the CF name as a variable name
+        ds["T2m"] = ds["tair"]  # only found when named
+        ds["latitude"] = ds["TLAT"]
+        for name in ("sst", "aice", "tair", "TLAT"):
+            del ds[name]
+
+    path = _edited(grid_file, tmp_path / "cf.nc", rename)
+    with pytest.raises(UsageError, match=r"cf.nc has no input variable 'tair' \(nor 'Tair_h', 'air_temperature'"):
+        load_patterns(accelerator, path)
+    found = load_patterns(accelerator, path, variables={"tair": "T2m"}, seed=1)
+    assert found.meta["variables"] | {"lat": found.meta["lat_variable"]} == {
+        **{name: name for name in [*DEFAULT_INPUTS, "aice"]},
+        "sst": "SST_x", "tair": "T2m", "aice": "sea_ice_area_fraction", "lat": "latitude",
+    }
+    ours = load_patterns(accelerator, grid_file, seed=1)
+    assert torch.equal(found.train_inputs, ours.train_inputs) and torch.equal(found.valid_targets, ours.valid_targets)
+
+
+def _counted_domain(ds, mask, lat, poleward, ice=None):
+    """The domain as the teams' select_data draws it, counted straight from the file."""
+    lat = ds[lat].values
+    keep = (ds[mask].values == 1) & ({"both": np.abs(lat), "north": lat, "south": -lat}[poleward] >= 40)
+    if ice is not None:
+        keep &= np.nan_to_num(ds[ice].values[0]) > 0
+    return int(keep.sum())
+
+
+@pytest.mark.parametrize(
+    "flags, mask, lat, hemisphere, ice",
+    [
+        ({}, "tmask", "TLAT", "both", None),
+        ({"mask_variable": "umask"}, "umask", "ULAT", "both", None),
+        ({"mask_variable": "umask", "hemisphere": "north"}, "umask", "ULAT", "north", None),
+        ({"hemisphere": "south", "open_water": False}, "tmask", "TLAT", "south", "aice_h"),
+    ],
+    ids=["tmask-both", "umask-ULAT", "umask-north", "south-no-open-water"],
+)
+def test_domain_selection_as_the_teams_draw_it(flags, mask, lat, hemisphere, ice, cice_files, accelerator, tmp_path):
+    ocean, atmos = cice_files
+
+    def open_water(ds):  # a third of the southern domain without ice
+        values = ds["aice_h"].values.copy()
+        values[0][(ds["TLAT"].values < -40) & (np.arange(values.shape[2]) % 3 == 0)] = 0.0
+        ds["aice_h"] = (ds["aice_h"].dims, values, ds["aice_h"].attrs)
+
+    ocean = _edited(ocean, tmp_path / "ocean.nc", open_water)
+    patterns = load_patterns(accelerator, ocean, atmos_path=atmos, **flags)
+    ds = xr.open_dataset(ocean)
+    assert (patterns.meta["mask_variable"], patterns.meta["lat_variable"]) == (mask, lat)
+    assert patterns.meta["domain_cells"] == patterns.meta["patterns"] == _counted_domain(ds, mask, lat, hemisphere, ice)
+    assert patterns.meta["patterns"] > 100
+    if ice:
+        assert _counted_domain(ds, mask, lat, hemisphere) > patterns.meta["patterns"]  # open water was there
+        assert patterns.train_targets.min() > 0
+
+
+def test_cap_per_rank_is_the_cap_times_the_processes(grid_file, accelerator):
+    per_rank = load_patterns(accelerator, grid_file, max_patterns_per_rank=300)
+    total = load_patterns(accelerator, grid_file, max_patterns=300)
+    assert per_rank.meta["patterns"] == per_rank.meta["max_patterns"] == 300  # 1 process here
+    assert torch.equal(per_rank.train_inputs, total.train_inputs)
+    assert load_patterns(accelerator, grid_file, max_patterns=200, max_patterns_per_rank=300).meta["patterns"] == 200
+
+
+def _cice_named(ds):
+    for ours, cice in CICE_NAMES.items():
+        ds[cice] = ds[ours]
+        del ds[ours]
+
+
+def _zero_ice(ds):
+    ds["aice"] = (ds["aice"].dims, np.zeros(ds["aice"].shape, np.float32), ds["aice"].attrs)
+
+
+def _south_mask_only(ds):
+    mask = ds["tmask"].values * (ds["TLAT"].values < 0)
+    ds["tmask"] = (ds["tmask"].dims, mask.astype(np.float32), ds["tmask"].attrs)
+
+
+HOSTILE_NETCDF.update({
+    "CICE names without Tair_h": (lambda ds: (_cice_named(ds), ds.__delitem__("Tair_h")), {},
+                                  "has no input variable 'tair' (nor 'Tair_h', 'air_temperature'"),
+    "an explicit name not in the file": (lambda ds: None, {"variables": {"sst": "SST"}},
+                                         "has no input variable 'SST'"),
+    "--mask-variable umask, none in the file": (lambda ds: None, {"mask_variable": "umask"},
+                                                "has no mask variable 'umask'"),
+    "neither tmask nor umask": (lambda ds: ds.__delitem__("tmask"), {}, "has no mask variable 'tmask' (nor 'umask')"),
+    "--lat-variable ULAT, none in the file": (lambda ds: None, {"lat_variable": "ULAT"},
+                                              "has no latitude variable 'ULAT'"),
+    "no latitude for --hemisphere north": (lambda ds: ds.__delitem__("TLAT"), {"min_abs_lat": 0, "hemisphere": "north"},
+                                           "has no latitude variable 'TLAT'"),
+    "--hemisphere east": (lambda ds: None, {"hemisphere": "east"}, "--hemisphere east is invalid"),
+    "no ice anywhere, open water out": (_zero_ice, {"open_water": False}, "no cell has tmask > 0.5 and "
+                                        "|TLAT| >= 40.0 and aice > 0"),
+    "north asked, the mask only south": (_south_mask_only, {"hemisphere": "north"}, "TLAT >= 40.0"),
+    "no ice field, open water out": (lambda ds: ds.__delitem__("aice"), {"outputs": ["hi"], "inputs": ["sst"],
+                                                                         "open_water": False},
+                                     "has no ice fraction (for open water left out) variable 'aice'"),
+})
+
+
+# ---- two files: each named in its errors; a grid mismatch is one line with both shapes ----------------------
+
+
+def _ocean_and_atmos(where, atmos_grid=(60, 120)):
+    ocean = synthesize(where / "ocean.nc", seed=3, nlat=60, nlon=120, naming="cice", atmos_out=where / "atmos.nc")
+    if atmos_grid != (60, 120):
+        synthesize(where / "other.nc", seed=3, nlat=atmos_grid[0], nlon=atmos_grid[1], naming="cice",
+                   atmos_out=where / "atmos.nc")
+    return ocean, where / "atmos.nc"
+
+
+def _atmos_nan(where):
+    ocean, atmos = _ocean_and_atmos(where)
+    with xr.open_dataset(ocean) as o:
+        inside = np.flatnonzero(_domain(o))[:3]
+
+    def poke(ds):
+        values = ds["Qref_h"].values.copy()
+        values.reshape(-1)[inside] = np.nan
+        ds["Qref_h"] = (ds["Qref_h"].dims, values, ds["Qref_h"].attrs)
+
+    _edited(atmos, where / "atmos-nan.nc", poke)
+    return ocean, where / "atmos-nan.nc"
+
+
+def _atmos_text(where):
+    ocean, _ = _ocean_and_atmos(where)
+    (where / "atmos.txt").write_text("not netCDF")
+    return ocean, where / "atmos.txt"
+
+
+TWO_FILES = {
+    "another grid": (lambda w: _ocean_and_atmos(w, (30, 60)),
+                     "are on different grids: 'sst_h' is (60, 120) in the first, 'Tair_h' is (30, 60) in the second"),
+    "no such atmosphere file": (lambda w: (_ocean_and_atmos(w)[0], w / "nowhere.nc"),
+                                "--data-atmos {atmos} does not exist"),
+    "atmosphere file not netCDF": (_atmos_text, "--data-atmos {atmos} is not a readable netCDF file"),
+    "a field in neither file": (lambda w: _ocean_and_atmos(w), "--data {ocean} and --data-atmos {atmos} have no input "
+                                "variable 'salt'"),
+    "an atmosphere file nothing is taken from": (lambda w: (synthesize(w / "all.nc", seed=3, nlat=60, nlon=120),
+                                                          _ocean_and_atmos(w)[1]),
+                                                 "--data-atmos {atmos}: no field was taken from it: --data {ocean} "
+                                                 "(searched first) holds all of sst, sss,"),
+    "NaN in the atmosphere": (_atmos_nan, "{ocean} (with --data-atmos {atmos}): input field 'qref' has 3 NaN/inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_FILES))
+def test_two_file_errors_are_one_line_naming_both_files(case, accelerator, tmp_path):
+    make, fragment = TWO_FILES[case]
+    ocean, atmos = make(tmp_path)
+    inputs = [*DEFAULT_INPUTS, "salt"] if "neither" in case else DEFAULT_INPUTS
+    with pytest.raises(UsageError) as error:
+        load_patterns(accelerator, ocean, atmos_path=atmos, inputs=inputs)
+    message = str(error.value)
+    assert "\n" not in message and fragment.format(ocean=ocean, atmos=atmos) in message, message
+    if "grid" in case:
+        assert str(ocean) in message and str(atmos) in message
+
+
+GENERATOR_BAD_FLAGS = {
+    "--naming cf": (["--naming", "cf"], "--naming cf is invalid; give ours (sst, aice, ...) or cice"),
+    "--atmos-out a directory": (["--atmos-out", "{tmp}"], "--atmos-out {tmp} is a directory"),
+    "--atmos-out the --out file": (["--atmos-out", "{tmp}/x.nc"], "--atmos-out {tmp}/x.nc is the --out file"),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATOR_BAD_FLAGS))
+def test_generator_bad_flags_are_one_line_and_write_nothing(case, tmp_path):
+    flags, fragment = GENERATOR_BAD_FLAGS[case]
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit.data.ufs", "synth", "--out", str(tmp_path / "x.nc"), "--nlat", "4", "--nlon",
+         "8", *[f.format(tmp=tmp_path) for f in flags]],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert fragment.format(tmp=tmp_path) in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []

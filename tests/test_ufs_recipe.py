@@ -1,6 +1,8 @@
 """recipes/ufs_emulator.py as real processes: 1 process x 2 threads and 2 gloo processes (world size seen inside,
 threads recorded), verify, bit-identical resume for 1 and 2 processes, 2 processes against 1 (SGD weights, Adam
-losses, the statistics buffers), bad inputs as one line with nothing created, and the 2-node sbatch run."""
+losses and Jacobian columns, the statistics buffers), the logged Jacobian against the checkpoint's, CICE files in
+two files under the gdas preset (patience reported only, --min-epochs), bad inputs as one line with nothing
+created, and the 2-node sbatch run."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+from accelerate import Accelerator
 from conftest import assert_refused, final_weights, logged_losses, ranks_seen, read_json, run_recipe, sbatch_cpu_run
 
-from toolkit.data.ufs import synthesize
+from toolkit.data.ufs import DEFAULT_INPUTS, load_patterns, synthesize
+from toolkit.models.ufs_emulator import from_run_config
 from toolkit.verify import verify_run
 
 pytestmark = pytest.mark.slow
@@ -72,11 +76,91 @@ def test_smoke_run_trains_verifies_and_writes_its_plots(world, smoke_runs):
     assert not list(out.glob(".*.partial*"))
 
 
+JACOBIAN_COLUMNS = [f"val_jac_abs_mean/{name}" for name in DEFAULT_INPUTS]
+
+
 def test_two_processes_match_one_process_loss_curve_with_adam(smoke_runs):
     l1, l2 = logged_losses(smoke_runs[1][1]), logged_losses(smoke_runs[2][1])
     assert sorted(l1) == sorted(l2) == list(range(1, 23))
     assert max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1) < 1e-4
     assert l1[22] < l1[1]
+    # the Jacobian columns: the same names, and values that agree as the weights do (gathered over both ranks)
+    rows = {world: list(csv.DictReader(open(smoke_runs[world][1] / "metrics.csv"))) for world in (1, 2)}
+    for world in (1, 2):
+        assert [c for c in rows[world][0] if "jac" in c] == JACOBIAN_COLUMNS
+    for one, two in zip(rows[1], rows[2], strict=True):
+        for column in JACOBIAN_COLUMNS:
+            assert float(one[column]) > 0
+            assert abs(float(one[column]) - float(two[column])) / float(one[column]) < 1e-5, column  # 1.5e-7 seen
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["1proc", "2proc"])
+def test_logged_jacobian_is_the_checkpoints_on_the_validation_patterns(world, smoke_runs, data):
+    """The last row's mean |d aice / d x| equals the final checkpoint's weights' Jacobian recomputed here, in
+    physical units, over the validation patterns read on one process."""
+    out = smoke_runs[world][1]
+    last = list(csv.DictReader(open(out / "metrics.csv")))[-1]
+    assert last["step"] == "22"
+    model = from_run_config(read_json(out / "config.json")["config"])
+    model.load_state_dict(final_weights(out, 22))
+    valid = load_patterns(Accelerator(cpu=True), data, seed=0).valid_inputs
+    expected = model.jacobian(valid).abs().mean(dim=0)[0]  # [inputs]
+    logged = torch.tensor([float(last[column]) for column in JACOBIAN_COLUMNS], dtype=torch.float64)
+    assert torch.allclose(logged, expected, rtol=1e-9, atol=0), (logged, expected)  # 2.5e-16 seen
+    summary = read_json(out / "summary.json")  # the best weights' Jacobian is in the final metrics too
+    assert all(f"best_val_jac_abs_mean/{name}" in summary["test_metrics_at_best"] for name in DEFAULT_INPUTS)
+
+
+@pytest.fixture(scope="module")
+def cice_data(tmp_path_factory):
+    where = tmp_path_factory.mktemp("ufs-cice")
+    synthesize(where / "ocean.nc", seed=7, nlat=24, nlon=48, naming="cice", atmos_out=where / "atmos.nc")
+    return where / "ocean.nc", where / "atmos.nc"
+
+
+def test_gdas_preset_on_cice_files_in_two_files_reports_its_patience_and_trains_on(cice_data, tmp_path):
+    ocean, atmos = cice_data
+    out = tmp_path / "run"
+    result = run_recipe(["--preset", "gdas", "--data", str(ocean), "--data-atmos", str(atmos), *TINY_UFS,
+                         "--epochs", "4", "--patience", "1", "--min-delta", "10", "--output-dir", str(out)],
+                        recipe="ufs_emulator")
+    assert ("variables: sst<-sst_h, sss<-sss_h, tair<-Tair_h, tsfc<-Tsfc_h, hi<-hi_h, hs<-hs_h, sice<-sice_h, "
+            "uocn<-uocn_h, vocn<-vocn_h, uatm<-uatm_h, vatm<-vatm_h, qref<-Qref_h, flwdn<-flwdn_h, fswdn<-fswdn_h, "
+            "aice<-aice_h, mask<-tmask, lat<-TLAT; from --data-atmos: tair, uatm, vatm, qref, flwdn, fswdn"
+            ) in result.stdout
+    # patience 1 with min-delta 10 runs out at epoch 2; the gdas preset only says so, once, and trains on
+    assert result.stdout.count("val_loss has not improved by 10.0 for 1 evaluations (reported only") == 1
+    recorded = read_json(out / "config.json")
+    config = recorded["config"]
+    assert (config["preset"], config["stop_early"], config["min_epochs"], config["max_patterns_per_rank"]) == (
+        "gdas", False, 3000, 400000)
+    assert config["epochs"] == 4 and config["patience"] == 1  # flags win over the preset
+    assert recorded["data"]["variables"]["qref"] == "Qref_h" and recorded["data"]["atmos_path"] == str(atmos)
+    assert "+" in recorded["data"]["fingerprint"]  # both files
+    summary = read_json(out / "summary.json")
+    assert summary["epochs_completed"] == 4 and verify_run(out) == []
+
+
+def test_cap_per_rank_takes_n_per_process_and_a_resume_on_other_processes_is_refused(data, tmp_path):
+    out = tmp_path / "run"
+    ufs(["--max-patterns-per-rank", "200", "--max-steps", "2", "--output-dir", str(out)], data)
+    assert read_json(out / "config.json")["data"]["patterns"] == 200  # 1 process x 200
+    again = ufs(["--max-patterns-per-rank", "200", "--max-steps", "4", "--output-dir", str(out), "--resume-from",
+                 "auto"], data, config="cpu_2proc.yaml", check=False)
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    # the launcher turns the ranks' exit 2 into its own failure; the line is the run's (2 x 200 patterns now)
+    assert again.returncode != 0 and len(errors) == 1, again.stderr
+    assert "the data changed since the run" in errors[0] and "/200 -> " in errors[0] and errors[0].endswith(
+        "resume with the same data, or start a new run with another --output-dir")
+
+
+def test_min_epochs_holds_early_stopping_back(data, tmp_path):
+    out = tmp_path / "run"
+    ufs(["--epochs", "50", "--patience", "1", "--min-delta", "10", "--min-epochs", "4", "--output-dir", str(out)],
+        data)
+    summary = read_json(out / "summary.json")
+    assert "val_loss has not improved by 10.0 for 1 evaluations" in summary["stop_reason"]
+    assert summary["epochs_completed"] == 4  # patience 1 runs out at epoch 2; stopping waits for epoch 4
 
 
 RESUME = ["--epochs", "3", "--eval-every-steps", "4", "--checkpoint-every", "4"]
@@ -142,6 +226,14 @@ def _nan_file(case_dir, data):
     return str(path)
 
 
+def _ocean_and_atmos(case_dir, atmos_grid=(24, 48)):
+    """--data ocean.nc --data-atmos air.nc (CICE names), the atmosphere on `atmos_grid`."""
+    synthesize(case_dir / "ocean.nc", seed=7, nlat=24, nlon=48, naming="cice", atmos_out=case_dir / "unused.nc")
+    synthesize(case_dir / "other.nc", seed=7, nlat=atmos_grid[0], nlon=atmos_grid[1], naming="cice",
+               atmos_out=case_dir / "air.nc")
+    return ["--data", str(case_dir / "ocean.nc"), "--data-atmos", str(case_dir / "air.nc")]
+
+
 BAD_INPUTS = [
     ("no-data", lambda d, data: [], ["--data is required"]),
     ("missing-file", lambda d, data: ["--data", str(d / "nowhere.nc")], ["nowhere.nc does not exist"]),
@@ -166,6 +258,46 @@ BAD_INPUTS = [
         lambda d, data: ["--data", str(data), "--batch-size", "100000"],
         ["--batch-size 100000 exceeds"],
     ),
+    (
+        "data-atmos-missing",
+        lambda d, data: ["--data", str(data), "--data-atmos", str(d / "air.nc")],
+        ["--data-atmos", "air.nc does not exist"],
+    ),
+    (
+        "data-atmos-is-data",
+        lambda d, data: ["--data", str(data), "--data-atmos", str(data)],
+        ["--data-atmos", "is the --data file"],
+    ),
+    (
+        "data-atmos-other-grid",
+        lambda d, data: _ocean_and_atmos(d, (12, 24)),
+        ["ocean.nc and --data-atmos", "air.nc are on different grids: 'sst_h' is (24, 48) in the first, 'Tair_h' is "
+         "(12, 24) in the second"],
+    ),
+    (
+        "data-atmos-unused",
+        lambda d, data: ["--data", str(data), "--data-atmos", _ocean_and_atmos(d)[3]],
+        ["air.nc: no field was taken from it", "grid.nc (searched first) holds all of sst, sss,"],
+    ),
+    ("variables-no-equals", lambda d, data: ["--data", str(data), "--variables", "sst"],
+     ["--variables sst is invalid; give NAME=VARIABLE"]),
+    ("variables-unknown-name", lambda d, data: ["--data", str(data), "--variables", "salt=sss"],
+     ["--variables salt=sss: 'salt' is not one of --inputs/--outputs"]),
+    ("variables-twice", lambda d, data: ["--data", str(data), "--variables", "sst=a", "sst=b"],
+     ["--variables names 'sst' twice"]),
+    ("variables-not-in-file", lambda d, data: ["--data", str(data), "--variables", "sst=SST"],
+     ["grid.nc has no input variable 'SST'"]),
+    ("mask-variable-not-in-file", lambda d, data: ["--data", str(data), "--mask-variable", "umask"],
+     ["grid.nc has no mask variable 'umask'"]),
+    ("lat-variable-not-in-file", lambda d, data: ["--data", str(data), "--lat-variable", "ULAT"],
+     ["grid.nc has no latitude variable 'ULAT'"]),
+    ("hemisphere-unknown", lambda d, data: ["--data", str(data), "--hemisphere", "east"],
+     ["--hemisphere", "east"]),
+    ("preset-unknown", lambda d, data: ["--data", str(data), "--preset", "paper"], ["--preset", "paper"]),
+    ("max-patterns-per-rank-negative", lambda d, data: ["--data", str(data), "--max-patterns-per-rank", "-1"],
+     ["--max-patterns-per-rank -1 is invalid; it must be >= 0"]),
+    ("min-epochs-negative", lambda d, data: ["--data", str(data), "--min-epochs", "-2"],
+     ["--min-epochs -2 is invalid; it must be >= 0"]),
 ]
 
 

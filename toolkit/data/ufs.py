@@ -1,13 +1,21 @@
 """UFS sea-ice emulator data: patterns (one grid cell = one pattern) from CICE/MOM6-style netCDF files.
 
     python -m toolkit.data.ufs synth --out data/gdas-like.nc [--seed 0] [--nlat 180] [--nlon 360] [--sigma 0.05]
+    python -m toolkit.data.ufs synth --out ocean.nc --atmos-out atmos.nc --naming cice   # CICE history names, 2 files
 
-Reading (xarray, netCDF4 engine): the input and output variables are chosen by name (default: the 14 -> aice set
-of the reference emulator); a field may carry leading length-1 dimensions (CICE history files have `time`). The
-patterns are the cells of the sea-ice domain: ocean (`--mask-variable`, CICE's `tmask`) poleward of
-`--min-abs-lat` (from `--lat-variable`, CICE's `TLAT`), thinned to every `--thin`-th cell, capped at
-`--max-patterns` cells (a keyed random subset, the same whatever the process count) and split into training and
-validation by a keyed coin per cell.
+Reading (xarray, netCDF4 engine): the input and output variables are chosen by our names (default: the 14 -> aice
+set of the reference emulator); each is looked up in the file(s) under, in order, an explicit name (`variables`,
+the recipe's --variables NAME=VAR), our name, the CICE history name (`sst_h`, `Tair_h`, `Qref_h`, `aice_h`, ...),
+and its CF standard names (a variable of that name, or one whose `standard_name` attribute is it); the names found
+are reported in one line (`describe_variables`). The inputs may come from two files on the same grid (ocean/ice
+`--data` and atmosphere `--data-atmos`). A field may carry leading length-1 dimensions (CICE history files have
+`time`).
+
+The patterns are the cells of the sea-ice domain as the teams select it: ocean (the mask variable, `tmask` or
+`umask`, "auto" tries those), poleward of `--min-abs-lat` in one hemisphere or both (from the latitude variable,
+`TLAT` with tmask, `ULAT` with umask), optionally without open water (aice > 0 only); thinned to every `--thin`-th
+cell, capped at `--max-patterns` cells, or at `--max-patterns-per-rank` x the process count (a keyed random subset,
+the same whatever the process count) and split into training and validation by a keyed coin per cell.
 
 Sharding as seed 001 does it: rank r of W reads only the values of patterns r, r+W, r+2W, ... . The normalisation
 statistics are merged from those shards (count, mean, M2 in float64: toolkit.distributed.merge_moments); the
@@ -15,17 +23,20 @@ shards are then assembled in pattern order on every rank, so the training set, a
 depend on how the patterns were sharded.
 
 Bad input is one UsageError line naming the file and what is wrong: a missing or unreadable file, a missing
-variable, a field that is not 2-D, an all-masked domain, NaNs in a field inside the domain (with their count).
+variable (with the names tried), two files on different grids, a field that is not 2-D, an all-masked domain,
+NaNs in a field inside the domain (with their count).
 
 The generator writes such a file: the 14 fields on a lat/lon grid with plausible ranges and units (land cells are
 fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
 f a known smooth function (`clean_aice`); sigma is in the file's attributes (`noise_sigma`), so the best
-achievable validation RMSE is known.
+achievable validation RMSE is known. With naming="cice" the variables carry the CICE history names (plus `umask`,
+`ULAT`, `ULON`); with an atmosphere file the atmospheric fields go there.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,25 +68,69 @@ DEFAULT_OUTPUTS = ("aice",)
 FORMAT_VERSION = 1  # part of the data fingerprint: bump when the selection of patterns changes
 VALIDATION_COIN, CAP_COIN = 11, 12  # purposes of the keyed per-cell coins
 
+# Where a variable is found when no explicit name is given: our name first, then (in this order) the CICE history
+# name the teams' files use, then CF standard names (as a variable name, or as a variable's standard_name).
+CICE_NAMES = {
+    "sst": "sst_h",
+    "sss": "sss_h",
+    "tair": "Tair_h",
+    "tsfc": "Tsfc_h",
+    "hi": "hi_h",
+    "hs": "hs_h",
+    "sice": "sice_h",
+    "uocn": "uocn_h",
+    "vocn": "vocn_h",
+    "uatm": "uatm_h",
+    "vatm": "vatm_h",
+    "qref": "Qref_h",
+    "flwdn": "flwdn_h",
+    "fswdn": "fswdn_h",
+    "aice": "aice_h",
+}
+CF_NAMES = {
+    "sst": ("sea_surface_temperature",),
+    "sss": ("sea_surface_salinity",),
+    "tair": ("air_temperature",),
+    "tsfc": ("sea_ice_surface_temperature", "surface_temperature"),
+    "hi": ("sea_ice_thickness",),
+    "hs": ("surface_snow_thickness",),
+    "sice": ("sea_ice_salinity",),
+    "uocn": ("sea_water_x_velocity",),
+    "vocn": ("sea_water_y_velocity",),
+    "uatm": ("x_wind", "eastward_wind"),
+    "vatm": ("y_wind", "northward_wind"),
+    "qref": ("specific_humidity",),
+    "flwdn": ("surface_downwelling_longwave_flux_in_air",),
+    "fswdn": ("surface_downwelling_shortwave_flux_in_air",),
+    "aice": ("sea_ice_area_fraction",),
+    "lat": ("latitude",),
+}
+AUTO = "auto"  # --mask-variable / --lat-variable: try the names below in order
+MASK_NAMES = ("tmask", "umask")  # CICE's T-cell and U-cell (velocity point) ocean masks
+LAT_FOR_MASK = {"tmask": "TLAT", "umask": "ULAT"}  # each mask's latitudes (CICE's staggered grid)
+LAT_NAMES = ("TLAT", "ULAT", "lat", "latitude")
+HEMISPHERES = ("both", "north", "south")
+ATMOSPHERE_FIELDS = ("tair", "uatm", "vatm", "qref", "flwdn", "fswdn")  # what the generator's --atmos-out holds
+
 
 # ---- reading ---------------------------------------------------------------------------------------------------
 
 
-def open_dataset(path: Path | str):
-    """The file as an xarray Dataset (lazy: values are read when indexed)."""
+def open_dataset(path: Path | str, flag: str = "--data"):
+    """The file as an xarray Dataset (lazy: values are read when indexed); `flag` names it in errors."""
     import xarray as xr
 
     path = Path(path).expanduser()
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise UsageError(
-            f"--data {path} {what}; give a CICE/MOM6-style netCDF file "
+            f"{flag} {path} {what}; give a CICE/MOM6-style netCDF file "
             "(python -m toolkit.data.ufs synth --out FILE writes one)"
         )
     try:
         return xr.open_dataset(path, engine="netcdf4", decode_times=False)
     except Exception as error:  # netCDF4 raises OSError, ValueError, ... for files it cannot read
-        raise UsageError(f"--data {path} is not a readable netCDF file ({type(error).__name__}: {error})") from None
+        raise UsageError(f"{flag} {path} is not a readable netCDF file ({type(error).__name__}: {error})") from None
 
 
 def require_variables(ds, path: Path | str, names, what: str) -> None:
@@ -102,6 +157,149 @@ def grid_field(ds, name: str, path: Path | str):
 
 
 @dataclass
+class Source:
+    """One input file: the flag that named it, its path and its (lazy) Dataset."""
+
+    flag: str
+    path: Path
+    ds: object
+
+
+class FieldView:
+    """Our names -> the DataArrays found for them in one or two files. It answers `view[name]`, `.variables`,
+    `.data_vars` and `.attrs` as a Dataset does, so the readers below take it in place of one; no coordinates are
+    merged (two files need not agree on them, only on the grid)."""
+
+    def __init__(self, arrays: dict, attrs: dict):
+        self.variables = self.data_vars = arrays
+        self.attrs = attrs
+
+    def __getitem__(self, name: str):
+        return self.variables[name]
+
+
+def candidate_names(name: str, variables: dict[str, str] | None = None) -> list[str]:
+    """The variable names tried for our `name`: the explicit one alone, else ours, the CICE history name and the CF
+    standard names."""
+    if variables and name in variables:
+        return [variables[name]]
+    return [name, *([CICE_NAMES[name]] if name in CICE_NAMES else []), *CF_NAMES.get(name, ())]
+
+
+def find_variable(sources: list[Source], candidates, standard_names=()) -> tuple[Source, str] | None:
+    """The first candidate present (each name in every file, --data before --data-atmos, before the next name),
+    then the first variable whose standard_name attribute is one of `standard_names`."""
+    for candidate in candidates:
+        for source in sources:
+            if candidate in source.ds.variables:
+                return source, candidate
+    for standard in standard_names:
+        for source in sources:
+            for var_name, variable in source.ds.variables.items():
+                if variable.attrs.get("standard_name") == standard:
+                    return source, str(var_name)
+    return None
+
+
+def _missing(sources: list[Source], name: str, what: str, tried: list[str], hint: str = "",
+             standard: bool = False) -> UsageError:
+    files = " and ".join(f"{s.flag} {s.path}" for s in sources)
+    have = ", ".join(sorted({str(v) for s in sources for v in s.ds.data_vars})[:30])
+    others = [t for t in tried if t != name]
+    also = "; the CF names also as standard_name" if standard else ""
+    nor = f" (nor {', '.join(repr(t) for t in others)}{also})" if others else ""
+    return UsageError(
+        f"{files} {'have' if len(sources) > 1 else 'has'} no {what} variable {name!r}{nor}{hint}; "
+        f"{'the files have' if len(sources) > 1 else 'the file has'}: {have}"
+    )
+
+
+def resolve_variables(
+    sources: list[Source],
+    inputs,
+    outputs,
+    *,
+    variables: dict[str, str] | None = None,
+    mask_variable: str = AUTO,
+    lat_variable: str = AUTO,
+    need_lat: bool = True,
+    need_ice: bool = False,
+) -> tuple[dict[str, tuple[Source, str]], str, str]:
+    """Find every field, the mask and the latitudes: ({our name or the mask/latitude name: (file, name there)},
+    mask key ("" = none), latitude key ("" = not needed)). A name not found is one error naming the names tried."""
+    found: dict[str, tuple[Source, str]] = {}
+    wanted = [(name, "input") for name in inputs] + [(name, "output") for name in outputs]
+    if need_ice and "aice" not in inputs and "aice" not in outputs:
+        wanted.append(("aice", "ice fraction (for open water left out)"))
+    for name, what in wanted:
+        tried = candidate_names(name, variables)
+        standard = () if variables and name in variables else CF_NAMES.get(name, ())
+        hit = find_variable(sources, tried, standard)
+        if hit is None:
+            raise _missing(sources, tried[0], what, tried, standard=bool(standard))
+        found[name] = hit
+    mask = ""
+    if mask_variable:
+        tried = list(MASK_NAMES) if mask_variable == AUTO else [mask_variable]
+        hit = find_variable(sources, tried)
+        if hit is None:
+            raise _missing(sources, tried[0], "mask", tried, ' (--mask-variable NAME; "" for every cell)')
+        mask = hit[1]
+        found[mask] = hit
+    lat = ""
+    if need_lat:
+        if lat_variable == AUTO:
+            paired = LAT_FOR_MASK.get(mask)
+            tried = [*([paired] if paired else []), *[n for n in LAT_NAMES if n != paired]]
+            hit = find_variable(sources, tried, CF_NAMES["lat"])
+        else:
+            tried = [lat_variable]
+            hit = find_variable(sources, tried)
+        if hit is None:
+            raise _missing(sources, tried[0], "latitude", tried, " (--lat-variable NAME; or --min-abs-lat 0 and "
+                           "--hemisphere both)", standard=lat_variable == AUTO)
+        lat = hit[1]
+        found[lat] = hit
+    fields = {name: hit for name, hit in found.items() if name not in (mask, lat)}
+    if len(sources) > 1 and all(source is sources[0] for source, _ in fields.values()):
+        raise UsageError(
+            f"{sources[1].flag} {sources[1].path}: no field was taken from it: {sources[0].flag} {sources[0].path} "
+            f"(searched first) holds all of {', '.join(fields)}; leave {sources[1].flag} out"
+        )
+    check_same_grid(sources, fields)
+    return found, mask, lat
+
+
+def check_same_grid(sources: list[Source], found: dict[str, tuple[Source, str]]) -> None:
+    """Two files must hold their fields on one grid: the first field of each decides (one error naming both)."""
+    first: dict[str, tuple[str, tuple]] = {}
+    for source, var in found.values():
+        if source.flag not in first:
+            first[source.flag] = (var, tuple(grid_field(source.ds, var, source.path).shape))
+    if len(first) < 2:
+        return
+    (a, (var_a, shape_a)), (b, (var_b, shape_b)) = first.items()
+    if shape_a != shape_b:
+        path = {s.flag: s.path for s in sources}
+        raise UsageError(
+            f"{a} {path[a]} and {b} {path[b]} are on different grids: {var_a!r} is {shape_a} in the first, "
+            f"{var_b!r} is {shape_b} in the second; the ocean and atmosphere files must share one grid"
+        )
+
+
+def describe_variables(meta: dict) -> str:
+    """One line: our name <- the name found, for every field, the mask and the latitudes (the teams' files use
+    CICE history names; this says which were taken)."""
+    names = meta["variables"]
+    parts = [f"{name}<-{names[name]}" for name in [*meta["inputs"], *meta["outputs"]]]
+    parts += [f"{what}<-{meta[key]}" for what, key in (("mask", "mask_variable"), ("lat", "lat_variable"))
+              if meta.get(key)]
+    atmosphere = meta.get("from_atmosphere") or []
+    tail = f"; from --data-atmos: {', '.join(atmosphere)}" if atmosphere else ""
+    return f"variables: {', '.join(parts)}{tail}"
+
+
+@dataclass
 class Selection:
     """The patterns: flat cell numbers of the grid (ascending) and which of them are validation patterns."""
 
@@ -115,7 +313,10 @@ class Selection:
 PHYSICAL_RANGES = {
     "K": (150.0, 350.0),
     "degC": (-120.0, 80.0),
+    "C": (-120.0, 80.0),  # CICE history files (sst_h, Tair_h, Tsfc_h)
     "psu": (0.0, 60.0),
+    "ppt": (0.0, 60.0),  # CICE's sss_h, sice_h
+    "g/kg": (0.0, 100.0),  # CICE's Qref_h
     "m": (0.0, 50.0),
     "m/s": (-150.0, 150.0),
     "kg/kg": (0.0, 0.1),
@@ -148,9 +349,14 @@ def select_patterns(
     max_patterns: int,
     val_fraction: float,
     seed: int,
+    hemisphere: str = "both",
+    ice_variable: str = "",
 ) -> Selection:
-    """Domain cells (ocean, |lat| >= min_abs_lat), every `thin`-th, at most `max_patterns` (keyed subset), with a
-    keyed validation coin per cell. Reads only the mask and latitude fields; identical on every rank."""
+    """Domain cells (ocean, |lat| >= min_abs_lat in the `hemisphere`: north, south or both; with `ice_variable`
+    only cells where it is > 0, i.e. open water left out), every `thin`-th, at most `max_patterns` (keyed subset),
+    with a keyed validation coin per cell. Reads only the mask, latitude and ice fields; identical on every rank."""
+    if hemisphere not in HEMISPHERES:
+        raise UsageError(f"--hemisphere {hemisphere} is invalid; give one of {', '.join(HEMISPHERES)}")
     shape = grid_field(ds, names[0], path).shape
     for name in names:
         kind = grid_field(ds, name, path).dtype.kind
@@ -173,7 +379,7 @@ def select_patterns(
         if mask.dtype.kind not in "fiub":
             raise UsageError(f"--data {path}: mask {mask_variable!r} holds {mask.dtype} values; a mask is 0/1 numbers")
         domain &= np.nan_to_num(np.asarray(mask.values, dtype=np.float64)) > 0.5
-    if min_abs_lat > 0:
+    if min_abs_lat > 0 or hemisphere != "both":
         require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
         lat_field = grid_field(ds, lat_variable, path)
         if lat_field.dtype.kind not in "fiu":
@@ -182,18 +388,28 @@ def select_patterns(
         lat = np.asarray(lat_field.values, dtype=np.float64)
         if lat.shape != shape:
             raise UsageError(f"--data {path}: latitude {lat_variable!r} has grid {lat.shape}, the fields {shape}")
-        domain &= np.abs(np.nan_to_num(lat)) >= min_abs_lat
+        lat = np.nan_to_num(lat)
+        poleward = {"both": np.abs(lat), "north": lat, "south": -lat}[hemisphere]
+        domain &= poleward >= min_abs_lat
+    if ice_variable:
+        ice = grid_field(ds, ice_variable, path)
+        if ice.shape != shape:
+            raise UsageError(f"--data {path}: {ice_variable!r} has grid {ice.shape}, the fields {shape}")
+        domain &= np.nan_to_num(np.asarray(ice.values, dtype=np.float64)) > 0
     cells = np.flatnonzero(domain.ravel())
     domain_cells = len(cells)
     if domain_cells == 0:
         where = []
         if mask_variable:
             where.append(f"{mask_variable} > 0.5")
-        if min_abs_lat > 0:
-            where.append(f"|{lat_variable}| >= {min_abs_lat}")
+        if min_abs_lat > 0 or hemisphere != "both":
+            where.append({"both": f"|{lat_variable}| >= {min_abs_lat}", "north": f"{lat_variable} >= {min_abs_lat}",
+                          "south": f"{lat_variable} <= {-min_abs_lat:g}"}[hemisphere])
+        if ice_variable:
+            where.append(f"{ice_variable} > 0")
         raise UsageError(
             f"--data {path}: the sea-ice domain is empty: no cell has {' and '.join(where) or 'data'}; "
-            "check --mask-variable / --min-abs-lat"
+            "check --mask-variable / --min-abs-lat / --hemisphere / --no-open-water"
         )
     cells = cells[::thin]
     if max_patterns and len(cells) > max_patterns:
@@ -276,39 +492,67 @@ def load_patterns(
     *,
     inputs=DEFAULT_INPUTS,
     outputs=DEFAULT_OUTPUTS,
-    mask_variable: str = "tmask",
-    lat_variable: str = "TLAT",
+    mask_variable: str = AUTO,
+    lat_variable: str = AUTO,
     min_abs_lat: float = 40.0,
     thin: int = 1,
     max_patterns: int = 0,
     val_fraction: float = 0.1,
     seed: int = 0,
     range_factor: float = 1.0,
+    atmos_path: Path | str | None = None,
+    variables: dict[str, str] | None = None,
+    hemisphere: str = "both",
+    open_water: bool = True,
+    max_patterns_per_rank: int = 0,
 ) -> UfsPatterns:
-    """Select the patterns, read this rank's strided share, refuse NaNs (counted over all ranks), merge the
-    training statistics over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every
+    """Find the variables (explicit `variables` {our name: name in the file}, else ours, CICE's, CF's; in `path`
+    and the optional atmosphere file `atmos_path`, which must be on the same grid), select the patterns (the mask:
+    "auto" tries tmask then umask, "" none; the latitudes: "auto" takes the mask's own, TLAT or ULAT, first;
+    `hemisphere`; `open_water` False leaves aice <= 0 out; a cap of `max_patterns`, or of `max_patterns_per_rank`
+    x the process count, the smaller), read this rank's strided share, refuse NaNs (counted over all ranks), merge
+    the training statistics over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every
     shard in pattern order on every rank. A collective: every rank calls it."""
     from toolkit.distributed import merge_moments, std_from_moments
 
     path = Path(path).expanduser()
     inputs, outputs = list(inputs), list(outputs)
-    with open_dataset(path) as ds:
-        require_variables(ds, path, inputs, "input")
-        require_variables(ds, path, outputs, "output")
+    rank, world = accelerator.process_index, accelerator.num_processes
+    cap = min((c for c in (max_patterns, max_patterns_per_rank * world) if c), default=0)
+    with contextlib.ExitStack() as files:
+        sources = [Source("--data", path, files.enter_context(open_dataset(path)))]
+        if atmos_path is not None:
+            atmos_path = Path(atmos_path).expanduser()
+            sources.append(Source("--data-atmos", atmos_path,
+                                  files.enter_context(open_dataset(atmos_path, "--data-atmos"))))
+        found, mask, lat = resolve_variables(
+            sources,
+            inputs,
+            outputs,
+            variables=variables,
+            mask_variable=mask_variable,
+            lat_variable=lat_variable,
+            need_lat=min_abs_lat > 0 or hemisphere != "both",
+            need_ice=not open_water,
+        )
+        ds = FieldView({name: source.ds[var] for name, (source, var) in found.items()}, dict(sources[0].ds.attrs))
+        if len(sources) > 1:  # the messages below name both files
+            path = f"{path} (with --data-atmos {atmos_path})"
         names = inputs + outputs
         selection = select_patterns(
             ds,
             path,
             names=names,
-            mask_variable=mask_variable,
-            lat_variable=lat_variable,
+            mask_variable=mask,
+            lat_variable=lat,
             min_abs_lat=min_abs_lat,
             thin=thin,
-            max_patterns=max_patterns,
+            max_patterns=cap,
             val_fraction=val_fraction,
             seed=seed,
+            hemisphere=hemisphere,
+            ice_variable="" if open_water else "aice",
         )
-        rank, world = accelerator.process_index, accelerator.num_processes
         shard = torch.from_numpy(read_shard(ds, path, names, selection.cells, rank, world))
         units = {name: str(ds[name].attrs.get("units", "")) for name in names}
         limits = {name: physical_range(name, units[name], range_factor) for name in names}
@@ -387,6 +631,13 @@ def load_patterns(
         "train_patterns": len(train),
         "valid_patterns": len(valid),
         "attributes": attributes,
+        "variables": {name: found[name][1] for name in names},
+        "from_atmosphere": [name for name in names if found[name][0].flag == "--data-atmos"],
+        "mask_variable": mask,
+        "lat_variable": lat,
+        "hemisphere": hemisphere,
+        "open_water": open_water,
+        "max_patterns": cap,
     }
     return UfsPatterns(
         train[:, :n_in],
@@ -453,9 +704,24 @@ def _smooth_fields(rng, lat, lon, count: int, modes: int = 6) -> np.ndarray:
 
 
 def synthesize(
-    out: Path | str, seed: int = 0, nlat: int = 180, nlon: int = 360, sigma: float = 0.05, land_fraction: float = 0.25
+    out: Path | str,
+    seed: int = 0,
+    nlat: int = 180,
+    nlon: int = 360,
+    sigma: float = 0.05,
+    land_fraction: float = 0.25,
+    *,
+    naming: str = "ours",
+    atmos_out: Path | str | None = None,
 ) -> Path:
-    """Write a CICE-like netCDF file (dims time=1, nj, ni; TLAT/TLON/tmask) with the 14 input fields and aice."""
+    """Write a CICE-like netCDF file (dims time=1, nj, ni; TLAT/TLON/tmask) with the 14 input fields and aice.
+
+    naming="cice": the fields carry the CICE history names (sst_h, Tair_h, Qref_h, aice_h, ...; the same values
+    and units) and the file also holds the U-cell mask and coordinates (umask: a T cell whose east, north and
+    north-east neighbours are ocean too; ULAT/ULON half a cell to the north-east). atmos_out: the atmospheric
+    fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON; the rest stay in `out`."""
+    if naming not in ("ours", "cice"):
+        raise UsageError(f"--naming {naming} is invalid; give ours or cice")
     import xarray as xr
     from tqdm.auto import tqdm
 
@@ -481,31 +747,49 @@ def synthesize(
     f["fswdn"] = np.maximum(250.0 * (1 - 0.8 * polar) + 40.0 * s[13], 0.0)
     aice = clean_aice(f) + sigma * rng.standard_normal(lat.shape)
     ocean = s[14] > np.quantile(s[14], land_fraction)
-    variables = {}
+    rename = (lambda name: CICE_NAMES.get(name, name)) if naming == "cice" else (lambda name: name)
     dims = ("time", "nj", "ni")
+    ocean_vars, atmos_vars = {}, {}
     for name in tqdm([*FIELDS, "aice"], desc="fields", unit="field", leave=False):
         values = aice if name == "aice" else f[name]
         values = np.where(ocean, values, np.nan).astype(np.float32)[None]
         units, long_name = FIELDS.get(name, ("1", "ice area (aggregate)"))
-        variables[name] = xr.Variable(dims, values, {"units": units, "long_name": long_name})
-    variables["tmask"] = xr.Variable(("nj", "ni"), ocean.astype(np.float32), {"long_name": "ocean grid mask"})
-    variables["TLAT"] = xr.Variable(("nj", "ni"), lat.astype(np.float32), {"units": "degrees_north"})
-    variables["TLON"] = xr.Variable(("nj", "ni"), lon.astype(np.float32), {"units": "degrees_east"})
-    ds = xr.Dataset(variables, coords={"time": ("time", np.array([0.0]), {"units": "days since 2021-01-01"})})
-    ds.attrs.update(
-        {
-            "title": "synthetic GDAS-like CICE/MOM6 fields for the UFS sea-ice emulator",
-            "noise_sigma": float(sigma),
-            "aice_formula": AICE_FORMULA,
-            "seed": int(seed),
-            "generator": "python -m toolkit.data.ufs synth",
-        }
-    )
-    encoding = {name: {"_FillValue": np.float32(1e30)} for name in [*FIELDS, "aice"]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    ds.to_netcdf(partial, engine="netcdf4", encoding=encoding)
-    partial.replace(out)  # a reader never sees half a file
+        target = atmos_vars if atmos_out is not None and name in ATMOSPHERE_FIELDS else ocean_vars
+        target[rename(name)] = xr.Variable(dims, values, {"units": units, "long_name": long_name})
+    ocean_vars["tmask"] = xr.Variable(("nj", "ni"), ocean.astype(np.float32), {"long_name": "ocean grid mask"})
+    coordinates = {
+        "TLAT": xr.Variable(("nj", "ni"), lat.astype(np.float32), {"units": "degrees_north"}),
+        "TLON": xr.Variable(("nj", "ni"), lon.astype(np.float32), {"units": "degrees_east"}),
+    }
+    if naming == "cice":
+        corners = ocean & np.roll(ocean, -1, axis=1) & np.roll(ocean, -1, axis=0) & np.roll(ocean, (-1, -1), (0, 1))
+        corners[-1] = False  # no row north of the last one
+        ocean_vars["umask"] = xr.Variable(("nj", "ni"), corners.astype(np.float32), {"long_name": "U-cell mask"})
+        coordinates["ULAT"] = xr.Variable(("nj", "ni"), (lat + 90.0 / nlat).astype(np.float32),
+                                          {"units": "degrees_north"})
+        coordinates["ULON"] = xr.Variable(("nj", "ni"), (lon + 180.0 / nlon).astype(np.float32),
+                                          {"units": "degrees_east"})
+    ocean_vars.update(coordinates)
+    attributes = {
+        "title": "synthetic GDAS-like CICE/MOM6 fields for the UFS sea-ice emulator",
+        "noise_sigma": float(sigma),
+        "aice_formula": AICE_FORMULA,
+        "seed": int(seed),
+        "generator": "python -m toolkit.data.ufs synth",
+    }
+    time = {"time": ("time", np.array([0.0]), {"units": "days since 2021-01-01"})}
+    files = [(Path(out).expanduser(), ocean_vars)]
+    if atmos_out is not None:
+        atmos_vars.update({name: coordinates[name] for name in ("TLAT", "TLON")})
+        files.append((Path(atmos_out).expanduser(), atmos_vars))
+    for path, variables in files:
+        ds = xr.Dataset(variables, coords=time)
+        ds.attrs.update(attributes)
+        encoding = {name: {"_FillValue": np.float32(1e30)} for name in variables if ds[name].ndim == 3}  # fields
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        ds.to_netcdf(partial, engine="netcdf4", encoding=encoding)
+        partial.replace(path)  # a reader never sees half a file
     return out
 
 
@@ -519,15 +803,25 @@ def main(argv: list[str] | None = None) -> None:
     synth.add_argument("--nlat", type=int, default=180, help="grid rows (latitudes)")
     synth.add_argument("--nlon", type=int, default=360, help="grid columns (longitudes)")
     synth.add_argument("--sigma", type=float, default=0.05, help="standard deviation of the noise added to aice")
+    synth.add_argument("--naming", default="ours", help="variable names: ours (sst, aice, ...) or cice (sst_h, ...)")
+    synth.add_argument("--atmos-out", type=Path, help="write the atmospheric fields to this second file")
     args = parser.parse_args(argv)
     if args.nlat < 2 or args.nlon < 2:
         raise UsageError(f"--nlat {args.nlat} / --nlon {args.nlon}: the grid needs at least 2 x 2 cells")
     if not (args.sigma >= 0 and math.isfinite(args.sigma)):
         raise UsageError(f"--sigma {args.sigma} is invalid; give a finite standard deviation >= 0")
-    if args.out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/gdas-like.nc")
-    path = synthesize(args.out, seed=args.seed, nlat=args.nlat, nlon=args.nlon, sigma=args.sigma)
-    print(f"wrote {path}: {args.nlat} x {args.nlon} grid, 14 inputs and aice (noise sigma {args.sigma})")
+    if args.naming not in ("ours", "cice"):
+        raise UsageError(f"--naming {args.naming} is invalid; give ours (sst, aice, ...) or cice (sst_h, aice_h, ...)")
+    for flag, value in (("--out", args.out), ("--atmos-out", args.atmos_out)):
+        if value is not None and value.is_dir():
+            raise UsageError(f"{flag} {value} is a directory; give a file name, e.g. {value}/gdas-like.nc")
+    if args.atmos_out is not None and args.atmos_out.expanduser().resolve() == args.out.expanduser().resolve():
+        raise UsageError(f"--atmos-out {args.atmos_out} is the --out file; give the atmosphere its own file")
+    path = synthesize(args.out, seed=args.seed, nlat=args.nlat, nlon=args.nlon, sigma=args.sigma, naming=args.naming,
+                      atmos_out=args.atmos_out)
+    where = f" ({', '.join(ATMOSPHERE_FIELDS)} in {args.atmos_out})" if args.atmos_out else ""
+    print(f"wrote {path}: {args.nlat} x {args.nlon} grid, 14 inputs and aice{where} (noise sigma {args.sigma}, "
+          f"{args.naming} names)")
 
 
 if __name__ == "__main__":
