@@ -1,7 +1,7 @@
 """The HRM model's parts against hand-made cases and references: ACT halting on hand-set Q values (max steps, q_halt >
 q_continue in training, never early in evaluation), the carry (halted rows replaced, running rows kept), stablemax
-cross-entropy against a float64 reference, AdamATan2 against its update formula, the sparse SignSGD on the batch's
-rows, and that update in a real 2-process gloo run equal to one process with the same global batch."""
+cross-entropy against a float64 reference, AdamATan2 against adam-atan2 0.0.3's kernel formula, the sparse SignSGD on
+the batch's rows, and that update in a real 2-process gloo run equal to one process with the same global batch."""
 
 from __future__ import annotations
 
@@ -133,29 +133,43 @@ def test_act_losses_count_only_halted_rows_in_the_metrics():
                                                                      + sums["q_continue_loss"].item()), rel=1e-5)
 
 
-def test_adam_atan2_follows_its_update_formula():
+def adam_atan2_0_0_3(p, m, v, grad, t, lr, b1, b2, wd):
+    """adam-atan2 0.0.3's kernel (csrc/adam_atan2.cu, adam_math) transcribed in float64 lists: step_size = lr / bc1,
+    denom = sqrt(v) / sqrt(bc2), p -= step_size * atan2(m, denom); the moments by lerp, decay before the update."""
+    bc1, bc2_sqrt = 1 - b1**t, math.sqrt(1 - b2**t)
+    for i, g in enumerate(grad):
+        p[i] *= 1 - lr * wd
+        m[i] = m[i] + (1 - b1) * (g - m[i])
+        v[i] = v[i] + (1 - b2) * (g * g - v[i])
+        p[i] -= (lr / bc1) * math.atan2(m[i], math.sqrt(v[i]) / bc2_sqrt)
+
+
+def test_adam_atan2_is_adam_atan2_0_0_3():
     torch.manual_seed(2)
-    start = torch.randn(6, dtype=torch.float64)
+    start = torch.randn(2, 5, dtype=torch.float64)
     param = torch.nn.Parameter(start.clone())
     lr, (b1, b2), wd = 0.01, (0.9, 0.95), 0.1
     optimizer = AdamATan2([param], lr=lr, betas=(b1, b2), weight_decay=wd)
-    p, m, v = start.tolist(), [0.0] * 6, [0.0] * 6
-    for t in range(1, 6):
-        grad = torch.randn(6, dtype=torch.float64) * (10.0 ** (t - 3))  # scales from 1e-2 to 1e2
+    p, m, v = start.flatten().tolist(), [0.0] * 10, [0.0] * 10
+    for t in range(1, 7):
+        grad = torch.randn(2, 5, dtype=torch.float64) * (10.0 ** (t - 3))  # scales from 1e-2 to 1e3
         param.grad = grad.clone()
         optimizer.step()
-        for i, g in enumerate(grad.tolist()):
-            p[i] *= 1 - lr * wd
-            m[i] = b1 * m[i] + (1 - b1) * g
-            v[i] = b2 * v[i] + (1 - b2) * g * g
-            p[i] -= lr * math.atan2(m[i] / (1 - b1**t), math.sqrt(v[i] / (1 - b2**t)))
-        assert param.detach().tolist() == pytest.approx(p, rel=1e-12, abs=1e-15), t
+        adam_atan2_0_0_3(p, m, v, grad.flatten().tolist(), t, lr, b1, b2, wd)
+        assert param.detach().flatten().tolist() == pytest.approx(p, rel=1e-12, abs=1e-15), t
+    # The bias correction outside atan2 matters: putting 1/(1 - b1) inside it (m_hat) gives another first step.
+    first = torch.nn.Parameter(start.clone())
+    grad = torch.randn(2, 5, dtype=torch.float64)
+    first.grad = grad.clone()
+    AdamATan2([first], lr=lr, betas=(b1, b2)).step()
+    inside = start - lr * torch.atan2(grad, grad.abs())  # atan2(m_hat, sqrt(v_hat)) = atan2(g, |g|) at t = 1
+    assert (first.detach() - inside).abs().max() > 1e-4
     scaled = torch.nn.Parameter(start.clone())  # scale invariant: gradients x 1000 give the same steps (wd 0)
     plain = torch.nn.Parameter(start.clone())
     for grads, prm in [(1000.0, scaled), (1.0, plain)]:
         opt = AdamATan2([prm], lr=lr)
         for t in range(3):
-            prm.grad = grads * torch.linspace(-1, 1, 6, dtype=torch.float64) * (t + 1)
+            prm.grad = grads * torch.linspace(-1, 1, 10, dtype=torch.float64).view(2, 5) * (t + 1)
             opt.step()
     assert torch.allclose(scaled, plain, rtol=0, atol=1e-12)
 

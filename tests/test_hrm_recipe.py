@@ -103,6 +103,54 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(config, adam_runs, tmp_pa
     assert verify_run(resumed) == []
 
 
+def test_batches_cross_epochs_and_sudoku_1k_without_csvs_says_what_its_figure_needs(tmp_path):
+    """40 puzzles in batches of 16 for 2 epochs: 5 steps (80 puzzles drawn; drop_last per epoch would give 4 and
+    leave 8 unseen each epoch), with the sudoku-1k preset made tiny, on generated puzzles."""
+    tiny = list(TINY_HRM)
+    tiny[tiny.index("--train-puzzles") + 1] = "40"
+    out = tmp_path / "run"
+    done = run_recipe(["--preset", "sudoku-1k", *tiny, "--h-layers", "1", "--l-layers", "1", "--h-cycles", "1",
+                       "--l-cycles", "1", "--min-rating", "0", "--epochs", "2", "--eval-every", "2",
+                       "--output-dir", str(out)], recipe="hrm")
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "55% exact accuracy" in line]
+    assert len(said) == 1 and "Sudoku-Extreme" in said[0] and "generated puzzles" in said[0], said
+    summary = read_json(out / "summary.json")
+    assert summary["global_step"] == 5 and summary["epochs_completed"] == 2
+    progress = read_json(out / "checkpoints" / "step_5" / "progress.json")
+    assert progress["samples_seen"] == 80
+    assert verify_run(out) == []
+
+
+def test_uneven_epochs_resume_bit_identical_and_two_processes_train_as_one(tmp_path):
+    """40 puzzles in batches of 16, one stream: epochs of 3, 2, 3 batches (the third batch spans epochs 0 and 1).
+    Stopped at step 4 (inside epoch 1, after the spanning batch) and resumed to step 7 with 2 processes."""
+    uneven = [*ADAM, "--train-puzzles", "40", "--max-steps", "7"]
+    straight, resumed, one = tmp_path / "straight", tmp_path / "resumed", tmp_path / "one"
+    run_recipe([*uneven, "--output-dir", str(one)], recipe="hrm")
+    run_recipe([*uneven, "--output-dir", str(straight)], recipe="hrm", config="cpu_2proc.yaml")
+    run_recipe([*uneven, "--max-steps", "4", "--output-dir", str(resumed)], recipe="hrm", config="cpu_2proc.yaml")
+    assert read_json(resumed / "checkpoints" / "step_4" / "progress.json")["epoch"] == 1
+    run_recipe([*uneven, "--output-dir", str(resumed), "--resume-from", "auto"], recipe="hrm", config="cpu_2proc.yaml")
+    a, b = (d / "checkpoints" / "step_7" / "model.safetensors" for d in (straight, resumed))
+    assert a.read_bytes() == b.read_bytes()
+    assert logged_losses(straight) == logged_losses(resumed)
+    assert read_json(straight / "summary.json")["epochs_completed"] == 2  # 3 + 2 batches, then 2 of epoch 2
+    l1, l2 = logged_losses(one), logged_losses(straight)
+    assert sorted(l1) == sorted(l2) == list(range(1, 8))
+    assert max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1) < 1e-4
+    assert verify_run(resumed) == []
+
+
+def test_full_test_tests_every_puzzle_of_test_csv(tmp_path):
+    folder = _csv_folder()(tmp_path)  # 4 puzzles in train.csv, 4 in test.csv
+    out = tmp_path / "run"
+    run_recipe([*TINY_HRM, "--cache-dir", str(tmp_path / "cache"), "--data", folder, "--full-test",
+                "--train-puzzles", "2", "--val-puzzles", "1", "--test-puzzles", "1", "--batch-size", "2",
+                "--max-steps", "2", "--output-dir", str(out)], recipe="hrm")
+    assert read_json(out / "summary.json")["test_metrics_at_best"]["test_puzzles"] == 4  # not --test-puzzles 1
+    assert verify_run(out) == []
+
+
 # ---- bad input: one `error:` line naming the file and row, exit 2, nothing created -----------------------------
 
 
@@ -130,6 +178,14 @@ def _csv_folder(bad_question=None):
     return make
 
 
+def _built_dir(case_dir):
+    """The layout of a built dataset (meta.json and dataset/): its test split is fixed, --full-test cannot apply."""
+    built = case_dir / "built"
+    (built / "dataset").mkdir(parents=True)
+    (built / "meta.json").write_text("{}")
+    return str(built)
+
+
 BAD_INPUTS = [
     ("data-missing", ["--data", "/no/such/sudoku"], ["--data /no/such/sudoku", "does not exist"]),
     ("csv-grid-too-short", ["--data", _csv_folder(lambda q: q[:80])], ["train.csv line 3", "80 characters"]),
@@ -140,6 +196,9 @@ BAD_INPUTS = [
     ("batch-larger-than-puzzles", ["--batch-size", "64"], ["--batch-size 64", "48 training puzzles"]),
     ("max-blanks", ["--max-blanks", "0"], ["--max-blanks 0", "1 .. 81"]),
     ("exploration", ["--exploration-prob", "1.5"], ["--exploration-prob 1.5", "[0, 1]"]),
+    ("full-test-generated", ["--full-test"], ["--full-test", "generated puzzles have no test.csv"]),
+    ("full-test-built", ["--full-test", "--data", _built_dir], ["--full-test", "not a folder of Sudoku-Extreme CSVs"]),
+    ("full-test-value", ["--full-test", "yes"], ["yes"]),
 ]
 
 

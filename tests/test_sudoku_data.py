@@ -117,6 +117,43 @@ def test_csv_reader_round_trips_and_builds_the_paper_layout(tmp_path):
     assert all(tuple(ds[i]["question"]) in originals for i in range(start, stop, 3))  # aug 0 is the original
 
 
+def test_csv_data_keeps_every_rating_and_full_test_takes_all_of_test_csv(tmp_path):
+    rows = [(source, question, answer, rating) for source, question, answer, rating in _csv_rows(14, 4)]
+    rows = [(source, question, answer, 0 if i % 2 else 50) for i, (source, question, answer, _) in enumerate(rows)]
+    _write_csv(tmp_path / "train.csv", rows[:8])  # half rated 0, half 50: a filter would leave 4 of 8
+    _write_csv(tmp_path / "test.csv", rows[8:])
+    asked = sudoku.Recipe(train_puzzles=5, aug=1, val_puzzles=3, test_puzzles=2, min_rating=20, max_blanks=9)
+    ds, meta = sudoku.from_csv(tmp_path, asked)
+    assert meta["puzzles"] == {"train": 5, "val": 3, "test": 2}  # all 8 of train.csv used: no rating filter
+    assert meta["recipe"]["min_rating"] == 0 and meta["full_test"] is False
+    originals = [*range(0, meta["splits"]["train"][1], 2), *range(*meta["splits"]["val"])]
+    assert sorted(int(ds[i]["rating"]) for i in originals) == [0] * 4 + [50] * 4
+    _, full = sudoku.from_csv(tmp_path, asked, full_test=True)
+    assert full["puzzles"]["test"] == 6 and full["full_test"] is True  # every row of test.csv
+    # The generator's settings do not split the CSV cache; the full test does.
+    plain = sudoku.Recipe(train_puzzles=5, aug=1, val_puzzles=3, test_puzzles=2)
+    assert sudoku.csv_key(tmp_path, asked) == sudoku.csv_key(tmp_path, plain)
+    assert sudoku.csv_key(tmp_path, asked, full_test=True) != sudoku.csv_key(tmp_path, asked)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--from-csv", "CSV", "--min-rating", "3"], "--min-rating 3 applies to generated puzzles"),
+    (["--full-test"], "--full-test needs --from-csv DIR"),
+], ids=["min-rating-with-csv", "full-test-without-csv"])
+def test_cli_refuses_generator_and_csv_flags_out_of_place(flags, fragment, tmp_path):
+    rows = _csv_rows(6, 6)
+    _write_csv(tmp_path / "train.csv", rows[:4])
+    _write_csv(tmp_path / "test.csv", rows[4:])
+    out = tmp_path / "built"
+    command = [sys.executable, "-m", "toolkit.data.sudoku", "build", "--out", str(out), "--train-puzzles", "2",
+               "--aug", "1", "--val-puzzles", "1", "--test-puzzles", "1",
+               *[str(tmp_path) if flag == "CSV" else flag for flag in flags]]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and fragment in errors[0], done.stderr
+    assert not out.exists()
+
+
 def test_a_csv_with_a_byte_order_mark_or_crlf_line_ends_reads_as_the_plain_one(tmp_path):
     rows = _csv_rows(3, 5)
     _write_csv(tmp_path / "plain.csv", rows)

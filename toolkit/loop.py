@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,18 +100,25 @@ class _IntervalTimer:
     gpu_util: list = field(default_factory=list)
 
 
-def total_training_steps(config, batches_per_epoch: int) -> int:
-    """Optimizer steps the run will take: --epochs x steps per epoch, capped by --max-steps (for LR schedules)."""
-    total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
+def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) -> int:
+    """Optimizer steps the run will take: --epochs x steps per epoch, capped by --max-steps (for LR schedules).
+    batches_per_epoch: a number, or a function of the epoch when epochs differ (toolkit.sampler)."""
+    if callable(batches_per_epoch):
+        total = sum(math.ceil(batches_per_epoch(epoch) / config.grad_accum) for epoch in range(config.epochs))
+    else:
+        total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
     return min(total, config.max_steps) if config.max_steps is not None else total
 
 
 class TrainingLoop:
     def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
-                 higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None):
+                 higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None,
+                 batches_per_epoch: Callable[[int], int] | None = None):
         """evaluate(): validation metrics {name: number} (called under no_grad, model in eval mode; must return the
         same values on every rank, e.g. from gather_for_metrics). state / rank_state: {name: object with
-        state_dict/load_state_dict} saved in every checkpoint, once (shared) or per rank (e.g. a carry)."""
+        state_dict/load_state_dict} saved in every checkpoint, once (shared) or per rank (e.g. a carry).
+        batches_per_epoch(epoch): for a loader whose epochs differ in length (toolkit.sampler.CrossEpochBatchSampler;
+        len(loader) is then the current epoch's), so the run's step count is right; default len(train_loader)."""
         self.run = run
         self.train_loader = train_loader
         self.steps_per_epoch = math.ceil(len(train_loader) / run.config.grad_accum)
@@ -122,6 +130,7 @@ class TrainingLoop:
         self.higher_is_better = higher_is_better
         self.shared_state = dict(state or {})
         self.rank_state = dict(rank_state or {})
+        self.batches_per_epoch = batches_per_epoch
         self.progress = Progress(run_id=run.run_id)
         self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
         self._stop_request: str | None = None
@@ -485,7 +494,7 @@ class TrainingLoop:
 
     @property
     def total_steps(self) -> int:
-        return total_training_steps(self.config, len(self.train_loader))
+        return total_training_steps(self.config, self.batches_per_epoch or len(self.train_loader))
 
 
 def _size(path: Path) -> int:

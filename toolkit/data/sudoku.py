@@ -3,12 +3,16 @@ that keep a grid valid, a reader of the public Sudoku-Extreme CSVs, and the `dat
 
     python -m toolkit.data.sudoku build --out data/sudoku-gen-1k-aug-1000 --train-puzzles 1000 --aug 1000 \
         --min-rating 20
-    python -m toolkit.data.sudoku build --from-csv path/to/sudoku-extreme/ --out data/sudoku-extreme-1k-aug-1000
+    python -m toolkit.data.sudoku build --from-csv path/to/sudoku-extreme/ --out data/sudoku-extreme-1k-aug-1000 \
+        --full-test
 
 A grid is 81 cells in row-major order, 0 for a blank and 1..9 for a digit. The rating of a puzzle is the number
 of dead ends (backtracks) `solve` meets before its first solution, choosing the cell with the fewest candidates
 and trying digits in ascending order (0: naked singles solve it). Uniqueness is checked by searching for a
 second solution.
+
+Sudoku-Extreme CSVs are used with every rating (--min-rating applies to generated puzzles only), as the paper does;
+--full-test makes every puzzle of test.csv a test puzzle (the paper's test set) instead of --test-puzzles of them.
 
 A built dataset is a directory holding dataset/ (`datasets` save_to_disk, loaded memory-mapped) and meta.json.
 Its rows are the training rows (each original puzzle followed by its augmentations; the original is aug 0), then
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 import random
@@ -376,31 +381,41 @@ def csv_files(directory: Path | str) -> tuple[Path, Path]:
     return train, test
 
 
-def from_csv(directory: Path | str, recipe: Recipe) -> tuple[datasets.Dataset, dict]:
-    """Train puzzles sampled from train.csv (rating >= min_rating), val puzzles from the rest of train.csv, test
-    puzzles sampled from test.csv (all of them when test_puzzles exceeds its size), as the HRM paper does."""
+def csv_recipe(recipe: Recipe) -> Recipe:
+    """The recipe as it applies to CSV data: the generator's settings (min_rating, max_blanks) do not, so they do
+    not enter the cache key either. The paper uses Sudoku-Extreme as it is, without a rating filter."""
+    return dataclasses.replace(recipe, min_rating=0, max_blanks=CELLS)
+
+
+def from_csv(directory: Path | str, recipe: Recipe, full_test: bool = False) -> tuple[datasets.Dataset, dict]:
+    """Train puzzles sampled from train.csv (every rating), val puzzles from the rest of train.csv, test puzzles
+    sampled from test.csv (all of them with full_test, or when test_puzzles exceeds its size), as the HRM paper
+    does (it tests on the whole test.csv)."""
+    recipe = csv_recipe(recipe)
     recipe.check()
     train_path, test_path = csv_files(directory)
     rng = random.Random(recipe.seed)
-    pool = [p for p in read_csv(train_path) if p[2] >= recipe.min_rating]
+    pool = read_csv(train_path)
     test_pool = read_csv(test_path)
     if len(pool) < recipe.train_puzzles + recipe.val_puzzles:
-        raise UsageError(f"{train_path} has {len(pool)} puzzles rated >= {recipe.min_rating}; --train-puzzles "
-                         f"{recipe.train_puzzles} + --val-puzzles {recipe.val_puzzles} is more: ask for fewer")
+        raise UsageError(f"{train_path} has {len(pool)} puzzles; --train-puzzles {recipe.train_puzzles} + "
+                         f"--val-puzzles {recipe.val_puzzles} is more: ask for fewer")
     chosen = rng.sample(range(len(pool)), recipe.train_puzzles + recipe.val_puzzles)
     train = [pool[i] for i in chosen[: recipe.train_puzzles]]
     val = [pool[i] for i in chosen[recipe.train_puzzles:]]
-    test_rows = sorted(rng.sample(range(len(test_pool)), min(recipe.test_puzzles, len(test_pool))))
+    tested = len(test_pool) if full_test else min(recipe.test_puzzles, len(test_pool))
+    test_rows = sorted(rng.sample(range(len(test_pool)), tested))
     test = [test_pool[i] for i in test_rows]
     ds, meta = assemble(train, val, test, recipe.aug, recipe.seed, source=f"csv:{Path(directory).resolve()}",
-                        recipe=asdict(recipe))
+                        recipe=asdict(recipe), full_test=full_test)
     check_dataset(ds, meta, f"--data {directory}")  # e.g. a puzzle in train.csv and test.csv, or twice in one
     return ds, meta
 
 
-def csv_key(directory: Path | str, recipe: Recipe) -> str:
+def csv_key(directory: Path | str, recipe: Recipe, full_test: bool = False) -> str:
     train, test = csv_files(directory)
-    text = f"{recipe.key}:{file_fingerprint(train, FORMAT_VERSION)}:{file_fingerprint(test, FORMAT_VERSION)}"
+    text = (f"{csv_recipe(recipe).key}:{file_fingerprint(train, FORMAT_VERSION)}:"
+            f"{file_fingerprint(test, FORMAT_VERSION)}{':full-test' if full_test else ''}")
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -493,15 +508,29 @@ def check_dataset(ds: datasets.Dataset, meta: dict, where: str) -> None:
             raise UsageError(f"{where}: {split_of[i]} puzzle {i} has more than one solution; a Sudoku has exactly one")
 
 
-def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True):
+def is_csv_folder(data: Path) -> bool:
+    """A folder of Sudoku-Extreme CSVs (not a built dataset)."""
+    return data.is_dir() and (data / "train.csv").exists() and not (data / META_FILE).exists()
+
+
+def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True, full_test: bool = False):
     """(dataset, meta): a built directory (`build --out`), a folder of Sudoku-Extreme CSVs (converted once into
-    cache_dir), or, without `data`, the generated dataset of `recipe`, built once into cache_dir."""
+    cache_dir; full_test: every puzzle of test.csv is a test puzzle), or, without `data`, the generated dataset of
+    `recipe`, built once into cache_dir."""
     datasets.disable_progress_bars()
     if data is not None:
         data = Path(data).expanduser()
-        if data.is_dir() and (data / "train.csv").exists() and not (data / META_FILE).exists():
-            return cached_dataset(cache_dir, "sudoku-extreme", csv_key(data, recipe), lambda: from_csv(data, recipe))
+        if is_csv_folder(data):
+            return cached_dataset(cache_dir, "sudoku-extreme", csv_key(data, recipe, full_test),
+                                  lambda: from_csv(data, recipe, full_test))
+        if full_test:
+            raise UsageError(f"--full-test applies to a folder of Sudoku-Extreme CSVs; --data {data} is a built "
+                             "dataset whose test split was fixed when it was built (build it with `python -m "
+                             "toolkit.data.sudoku build --from-csv DIR --full-test`, or give the CSV folder)")
         return load_built(data)
+    if full_test:
+        raise UsageError("--full-test tests on every puzzle of the Sudoku-Extreme test.csv; give --data with the "
+                         "folder holding train.csv and test.csv (generated puzzles have no test.csv)")
     recipe.check()
     return cached_dataset(cache_dir, "sudoku-generated", recipe.key, lambda: generate(recipe, progress))
 
@@ -530,8 +559,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--aug", type=int, default=defaults.aug, help="augmented copies per training puzzle")
     build.add_argument("--val-puzzles", type=int, default=defaults.val_puzzles)
     build.add_argument("--test-puzzles", type=int, default=defaults.test_puzzles)
-    build.add_argument("--min-rating", type=int, default=defaults.min_rating,
-                       help="keep puzzles whose rating (solver backtracks) is at least this")
+    build.add_argument("--min-rating", type=int, default=None,
+                       help="generated puzzles only: keep those whose rating (solver backtracks) is at least this "
+                            f"(default {defaults.min_rating}); CSV data is used unfiltered, as the paper does")
+    build.add_argument("--full-test", action="store_true",
+                       help="with --from-csv: every puzzle of test.csv is a test puzzle (the paper's test set)")
     build.add_argument("--max-blanks", type=int, default=defaults.max_blanks,
                        help="blank at most this many cells (81: as many as uniqueness allows; fewer: easier)")
     build.add_argument("--seed", type=int, default=defaults.seed)
@@ -546,7 +578,14 @@ def main(argv: list[str] | None = None) -> dict:
     except SystemExit as exit_:
         raise SystemExit(2 if exit_.code else 0) from None
     datasets.disable_progress_bars()
-    recipe = Recipe(args.train_puzzles, args.aug, args.val_puzzles, args.test_puzzles, args.min_rating,
+    if args.from_csv is not None and args.min_rating is not None:
+        raise UsageError(f"--min-rating {args.min_rating} applies to generated puzzles; Sudoku-Extreme CSVs are used "
+                         "with every rating, as the paper does: leave it out with --from-csv")
+    if args.full_test and args.from_csv is None:
+        raise UsageError("--full-test needs --from-csv DIR (the Sudoku-Extreme test.csv); generated puzzles have "
+                         "no test.csv")
+    min_rating = Recipe().min_rating if args.min_rating is None else args.min_rating
+    recipe = Recipe(args.train_puzzles, args.aug, args.val_puzzles, args.test_puzzles, min_rating,
                     args.max_blanks, args.seed)
     recipe.check()
     out = args.out
@@ -556,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(f"--out {out} is a file; give a directory")
     if args.from_csv is not None:
         csv_files(args.from_csv)
-        ds, meta = from_csv(args.from_csv, recipe)
+        ds, meta = from_csv(args.from_csv, recipe, args.full_test)
     else:
         ds, meta = generate(recipe)
     with writable(out, "--out"):

@@ -53,10 +53,16 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precisions and float32, float64 for float64 (the reference's float32 casts, which a float64
+    check must not round)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """RMSNorm without a learned scale, computed in float32."""
+    """RMSNorm without a learned scale, computed in at least float32."""
     dtype = x.dtype
-    x = x.float()
+    x = x.to(at_least_float32(dtype))
     return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(dtype)
 
 
@@ -70,9 +76,11 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, heads, L, head_dim]
+        # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
+        dtype, x = x.dtype, x.to(self.cos.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * self.cos.to(x.dtype) + rotated * self.sin.to(x.dtype)
+        return (x * self.cos + rotated * self.sin).to(dtype)
 
 
 class Attention(nn.Module):
@@ -199,12 +207,14 @@ class SparseSignSGD:
 
 
 class AdamATan2(torch.optim.Optimizer):
-    """Adam with atan2 in place of the division by sqrt(v) + eps (Everett et al. 2024), as HRM's fused kernel:
+    """Adam with atan2 in place of the division by sqrt(v) + eps (Everett et al. 2024), as adam-atan2 0.0.3 (the
+    fused CUDA kernel HRM trains with, csrc/adam_atan2.cu) computes it:
 
         p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
-        p <- p - lr atan2(m / (1 - b1^t), sqrt(v / (1 - b2^t)))
+        p <- p - (lr / (1 - b1^t)) atan2(m, sqrt(v) / sqrt(1 - b2^t))
 
-    No eps: atan2 is bounded (|update| <= lr pi/2) and scale invariant."""
+    The first bias correction scales the step outside atan2 (not m inside it): |update| <= lr pi/2 / (1 - b1^t).
+    No eps: atan2 is scale invariant."""
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0):
         if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or weight_decay < 0:
@@ -233,9 +243,9 @@ class AdamATan2(torch.optim.Optimizer):
                 p.mul_(1 - lr * decay)
                 m.lerp_(p.grad, 1 - beta1)
                 v.lerp_(p.grad.square(), 1 - beta2)
-                m_hat = m / (1 - beta1**step)
+                step_size = lr / (1 - beta1**step)
                 denom = v.sqrt() / math.sqrt(1 - beta2**step)
-                p.sub_(torch.atan2(m_hat, denom), alpha=lr)
+                p.sub_(torch.atan2(m, denom), alpha=step_size)
         return loss
 
 
@@ -263,7 +273,7 @@ def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_i
 
 
 def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL):
-    flat = F.cross_entropy(logits.float().flatten(0, -2), labels.to(torch.long).flatten(),
+    flat = F.cross_entropy(logits.to(at_least_float32(logits.dtype)).flatten(0, -2), labels.to(torch.long).flatten(),
                            ignore_index=ignore_index, reduction="none")
     return flat.view(labels.shape)
 
@@ -397,7 +407,8 @@ class HRM(nn.Module):
         z_l = self.l_level(z_l, z_h + x, self.rotary)
         z_h = self.h_level(z_h, z_l, self.rotary)
         logits = self.lm_head(z_h)[:, self.puzzle_len:]
-        q = self.q_head(z_h[:, 0]).float()
+        q = self.q_head(z_h[:, 0])
+        q = q.to(at_least_float32(q.dtype))
         return z_h, z_l, logits, q
 
     # ---- ACT across segments -------------------------------------------------------------------------------
@@ -405,7 +416,7 @@ class HRM(nn.Module):
         """Every row halted, so the first batch fills all of them."""
         rows = len(batch["inputs"])
         device = batch["inputs"].device
-        state = torch.zeros(rows, self.seq_len + self.puzzle_len, self.hidden, device=device)
+        state = torch.zeros(rows, self.seq_len + self.puzzle_len, self.hidden, device=device, dtype=self.h_init.dtype)
         return {
             "z_h": state.clone(), "z_l": state.clone(),
             "steps": torch.zeros(rows, dtype=torch.int32, device=device),
