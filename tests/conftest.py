@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -96,11 +97,47 @@ def dir_tree(root: Path) -> list[tuple[str, int]]:
     return sorted((str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*"))
 
 
+_SERVERS: dict[str, subprocess.Popen] = {}  # recipe -> its tests/recipe_server.py process (this xdist worker's)
+
+
+def _stop_servers() -> None:
+    for server in _SERVERS.values():
+        server.kill()
+        server.wait()
+
+
+atexit.register(_stop_servers)
+
+
+def run_preloaded(args: list[str], *, recipe: str = "sasrec", cwd: Path, timeout: float = 300
+                  ) -> subprocess.CompletedProcess:
+    """`python recipes/<recipe>.py ARGS` from cwd, as a child forked from a server that has the recipe's imports
+    loaded (tests/recipe_server.py): the same script and exit status in milliseconds, for the many bad-input cases."""
+    import select
+    import tempfile
+
+    server = _SERVERS.get(recipe)
+    if server is None or server.poll() is not None:
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "recipe_server.py"), recipe_script(recipe)],
+                                  cwd=ROOT, env=recipe_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        _SERVERS[recipe] = server
+    with tempfile.TemporaryDirectory() as scratch:  # outside cwd: a case's directory must stay as it was
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        server.stdin.write(json.dumps({"args": args, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            server.kill()
+            raise AssertionError(f"{recipe} {' '.join(args)} did not end within {timeout} s")
+        status = json.loads(server.stdout.readline())["status"]
+        return subprocess.CompletedProcess([recipe_script(recipe), *args], status, out.read_text(), err.read_text())
+
+
 def assert_refused(args: list[str], fragments, *, recipe: str = "sasrec", case_dir: Path) -> str:
-    """Run the recipe (plain python, cwd case_dir) on a bad input: exit 2, exactly one `error:` line on stderr holding
-    every fragment, no traceback, and nothing under case_dir created or changed. Returns the error line."""
+    """Run the recipe (as `python SCRIPT ARGS` from case_dir, forked from a preloaded server) on a bad input: exit 2,
+    exactly one `error:` line on stderr holding every fragment, no traceback, and nothing under case_dir created or
+    changed. Returns the error line."""
     before = dir_tree(case_dir)
-    result = run_recipe(args, recipe=recipe, check=False, cwd=case_dir)
+    result = run_preloaded(args, recipe=recipe, cwd=case_dir)
     output = result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, output
