@@ -29,37 +29,35 @@ training windows; and the shared flags' errors (fp16 on CPU, bad --resume-from, 
 
 from __future__ import annotations
 
-import math
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
-from toolkit.data.traffic import (  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.data.traffic import (
     OUTPUT_STEPS,
     baseline_metrics,
     horizon_metrics,
     prepare_traffic,
     split_windows,
 )
-from toolkit.devices import pin_memory  # noqa: E402
-from toolkit.distributed import global_mean  # noqa: E402
-from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
-from toolkit.loop import TrainingLoop  # noqa: E402
-from toolkit.metrics import masked_error_sums  # noqa: E402
-from toolkit.models.dcrnn import DCRNN, sampling_probability  # noqa: E402
-from toolkit.randomness import keyed_uniform  # noqa: E402
-from toolkit.run import main_process_first, start_run  # noqa: E402
-from toolkit.tracking import format_table  # noqa: E402
+from toolkit.devices import pin_memory
+from toolkit.distributed import global_mean
+from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.loop import TrainingLoop
+from toolkit.metrics import masked_error_sums
+from toolkit.models.dcrnn import DCRNN, sampling_probability
+from toolkit.randomness import keyed_uniform
+from toolkit.run import main_process_first, start_run
+from toolkit.tracking import format_table
 
 TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
 

@@ -38,31 +38,29 @@ carry steps every batch); a batch larger than the training puzzles; and every sh
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
-from toolkit.data.sudoku import Recipe, is_csv_folder, load_sudoku, split  # noqa: E402
-from toolkit.devices import pin_memory  # noqa: E402
-from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
-from toolkit.loop import TrainingLoop  # noqa: E402
-from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios  # noqa: E402
-from toolkit.randomness import keyed_hash  # noqa: E402
-from toolkit.run import main_process_first, start_run  # noqa: E402
-from toolkit.sampler import CrossEpochBatchSampler  # noqa: E402
-from toolkit.tracking import format_table  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.data.sudoku import Recipe, is_csv_folder, load_sudoku, split
+from toolkit.devices import pin_memory
+from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.loop import TrainingLoop
+from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios
+from toolkit.randomness import keyed_hash
+from toolkit.run import main_process_first, start_run
+from toolkit.sampler import CrossEpochBatchSampler
+from toolkit.tracking import format_table
 
 EXPLORATION, AUGMENTATION_PICK = 11, 12  # purposes of keyed randomness
 VOCAB = 11  # 0 pad, 1 blank, 2..10 the digits 1..9

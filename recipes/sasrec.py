@@ -23,31 +23,28 @@ holds a run (without --resume-from), is a file, is not writable, or is in use by
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
-from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens  # noqa: E402
-from toolkit.devices import pin_memory  # noqa: E402
-from toolkit.distributed import global_mean  # noqa: E402
-from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
-from toolkit.loop import TrainingLoop  # noqa: E402
-from toolkit.metrics import hit_rate_and_ndcg, rank_of_target  # noqa: E402
-from toolkit.models.sasrec import SASRec  # noqa: E402
-from toolkit.randomness import sample_negatives  # noqa: E402
-from toolkit.run import main_process_first, start_run  # noqa: E402
-from toolkit.tracking import format_table  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens
+from toolkit.devices import pin_memory
+from toolkit.distributed import global_mean
+from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.loop import TrainingLoop
+from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
+from toolkit.models.sasrec import SASRec
+from toolkit.randomness import sample_negatives
+from toolkit.run import main_process_first, start_run
+from toolkit.tracking import format_table
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
 

@@ -38,24 +38,22 @@ count), out-of-range numbers, a batch larger than the training patterns, and eve
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-import toolkit  # noqa: E402, F401  before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
-import math  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least  # noqa: E402
-from toolkit.data.cache import file_fingerprint  # noqa: E402
-from toolkit.data.ufs import (  # noqa: E402
+from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.data.cache import file_fingerprint
+from toolkit.data.ufs import (
     AUTO,
     DEFAULT_INPUTS,
     DEFAULT_OUTPUTS,
@@ -65,12 +63,12 @@ from toolkit.data.ufs import (  # noqa: E402
     load_patterns,
     whole_batch,
 )
-from toolkit.errors import UsageError, exit_on_usage_error  # noqa: E402
-from toolkit.loop import TrainingLoop  # noqa: E402
-from toolkit.metrics import error_metrics, masked_error_sums  # noqa: E402
-from toolkit.models.ufs_emulator import UfsEmulator  # noqa: E402
-from toolkit.run import start_run  # noqa: E402
-from toolkit.tracking import format_table  # noqa: E402
+from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.loop import TrainingLoop
+from toolkit.metrics import error_metrics, masked_error_sums
+from toolkit.models.ufs_emulator import UfsEmulator
+from toolkit.run import start_run
+from toolkit.tracking import format_table
 
 
 @dataclass

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONFIGS, ROOT, recipe_env
+from conftest import CONFIGS, ROOT, recipe_env, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +84,14 @@ def test_lines_of_processes_sharing_a_pipe_never_interleave():
     whole = re.compile(r"^\[rank [0-3]\] x{300}$")
     broken = [line for line in lines if not whole.match(line)]
     assert len(lines) == 8000 and broken == [], broken[:3]
+
+
+@pytest.mark.parametrize("recipe", ["sasrec", "dcrnn", "ufs_emulator", "hrm"])
+def test_a_recipe_is_a_plain_script_of_the_installed_package_from_any_directory(recipe, tmp_path):
+    # No sys.path edits in the recipes: `toolkit` comes from the installed project, so the script runs from
+    # anywhere (here a directory holding nothing of the checkout) and writes nothing there for --help.
+    script = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    assert "sys.path" not in script and "E402" not in script
+    result = run_recipe(["--help"], recipe=recipe, cwd=tmp_path)
+    assert result.returncode == 0 and "--output-dir" in result.stdout and "--batch-per-process" in result.stdout
+    assert list(tmp_path.iterdir()) == []
