@@ -21,8 +21,11 @@ from toolkit.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["--max-steps", "12", "--eval-every-steps", "3", "--checkpoint-every", "3", "--log-with", "csv",
-          "--log-every", "1", "--no-carry"]
+# Long enough (80 checkpoints; the toy's 3 default epochs would end it at step 18) that the kill below lands while
+# the second run is still training.
+STEPS = 240
+COMMON = ["--epochs", "100", "--max-steps", str(STEPS), "--eval-every-steps", "3", "--checkpoint-every", "3",
+          "--log-with", "csv", "--log-every", "1", "--no-carry"]
 NAMES = ["seed-0_lr-0.05", "seed-0_lr-0.1", "seed-1_lr-0.05", "seed-1_lr-0.1"]
 
 
@@ -55,6 +58,7 @@ def swept(tmp_path_factory):
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     killed_at = checkpoint.step_of(checkpoint.newest_complete(second_run))
+    assert not (second_run / "summary.json").exists(), "the second run ended before the kill: make it longer"
     again = toolkit(*sweep_args(out))
     return out, killed_at, again
 
@@ -74,11 +78,11 @@ def test_a_killed_sweep_run_again_skips_finished_runs_and_resumes_the_killed_one
         assert verify_run(run) == []
         config = json.loads((run / "config.json").read_text())["config"]
         seed, lr = name.split("_")
-        assert (config["seed"], config["lr"], config["max_steps"]) == (int(seed[5:]), float(lr[3:]), 12)
+        assert (config["seed"], config["lr"], config["max_steps"]) == (int(seed[5:]), float(lr[3:]), STEPS)
     # the resumed run equals the same settings run straight (its log.csv has each step once)
     steps = [row["step"] for row in csv.DictReader(open(out / "runs" / NAMES[1] / "log.csv"))
              if row["name"] == "train/loss"]
-    assert steps == [str(s) for s in range(1, 13)]
+    assert steps == [str(s) for s in range(1, STEPS + 1)] and killed_at < STEPS
 
 
 def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves(swept, tmp_path):
