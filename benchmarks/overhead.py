@@ -35,6 +35,7 @@ from toolkit.distributed import global_mean
 from toolkit.loop import TrainingLoop
 from toolkit.randomness import keyed_uniform, sample_negatives
 from toolkit.run import start_run
+from toolkit.sampler import shuffled_batches
 
 RECIPES = ("sasrec", "dcrnn", "ufs_emulator")
 DEFAULT_STEPS = {"sasrec": 20, "dcrnn": 10, "ufs_emulator": 500}  # a round of each is a second or a few
@@ -53,6 +54,7 @@ class Workload:
     recipe_loss: Callable  # (model, batch, loop, accelerator) -> (loss to backward, loss value for record_loss)
     max_grad_norm: float = 0.0
     collate_fn: Callable | None = None
+    keyed_batches: bool = False  # the recipe cuts its batches with toolkit.sampler.shuffled_batches
 
 
 def sasrec_workload(cache_dir: Path) -> Workload:
@@ -170,6 +172,7 @@ def ufs_workload() -> Workload:
         plain_loss,
         recipe_loss,
         collate_fn=whole_batch,
+        keyed_batches=True,
     )
 
 
@@ -214,9 +217,13 @@ def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
     torch.manual_seed(0)
     model = work.make_model()
     optimizer = work.make_optimizer(model)
-    loader = DataLoader(
-        work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn
-    )
+    if work.keyed_batches:
+        batches = shuffled_batches(len(work.dataset), work.batch_size, seed=0, epochs=config.epochs)
+        loader = DataLoader(work.dataset, batch_sampler=batches, collate_fn=work.collate_fn)
+    else:
+        loader = DataLoader(
+            work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn
+        )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loop = TrainingLoop(run, model, loader, evaluate=dict, main_metric="none")
     loop.start()

@@ -57,3 +57,23 @@ def test_a_data_loader_yields_the_epochs_batches_and_plain_items_without_with_ep
         assert len(loader) == sampler.batches_in_epoch(epoch)
         seen += [value for batch in loader for value in batch.tolist()]
     assert len(seen) == 28 and sorted(set(seen)) == list(range(100, 110))  # 30 drawn, the last 2 left out
+
+
+def test_shuffled_batches_are_shuffle_and_drop_last_in_a_keyed_order():
+    from toolkit.sampler import shuffled_batches
+
+    sampler = shuffled_batches(10, 3, seed=2, epochs=3)
+    orders = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(sampler) == len(batches) == 3 and all(len(b) == 3 for b in batches)  # the tail item dropped
+        items = [i for b in batches for i in b]
+        assert len(set(items)) == 9 and set(items) <= set(range(10))
+        orders.append(items)
+        again = shuffled_batches(10, 3, seed=2, epochs=3)
+        again.set_epoch(epoch)
+        assert list(again) == batches  # a pure function of (seed, epoch): a resume draws the same
+    assert orders[0] != orders[1] != orders[2]
+    other = shuffled_batches(10, 3, seed=3, epochs=3)
+    assert [i for b in other for i in b] != orders[0]

@@ -175,3 +175,49 @@ def test_deterministic_interval_values_by_gather_match_scatter_add():
     values = torch.randn(2, 9, 4, generator=generator)
     bins = weights.new_zeros(3, 2, 6, 9).scatter_add_(-1, index, weights)
     assert torch.allclose(interval_value_sum_by_gather(weights, index, values), bins @ values, atol=1e-6)
+
+
+def keyed_masks(count, shape, p):
+    """The keep masks (0/1) that keyed dropout draws for its first `count` calls in micro-batch (seed 3, key 5)."""
+    from toolkit import randomness
+
+    randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
+    masks = [randomness.keyed_keep_mask(torch.empty(shape), p) for _ in range(count)]
+    randomness.end_micro_batches()
+    return masks
+
+
+@pytest.mark.parametrize("time_aware", [False, True])
+def test_attention_dropout_is_the_literal_formula_with_the_keyed_mask(time_aware):
+    """softmax(q k^T / sqrt(d_h) + causal mask), its weights times the keyed 0/1 mask / (1 - p), @ v: the fused
+    product (scale and mask inside one baddbmm, the 1 / (1 - p) on the output) computes exactly that, with dropout."""
+    from toolkit import randomness
+
+    torch.manual_seed(0)
+    p = 0.3
+    model = SASRec(NUM_ITEMS, hidden=12, heads=3, maxlen=MAXLEN, time_span=4, time_aware=time_aware, dropout=p)
+    attention = model.blocks[0].attention.train()
+    x = torch.randn(2, 6, 12)
+    _, times = batch(batch_size=2, length=6)
+    intervals = (times[:, :, None] - times[:, None, :]).abs().clamp(max=4)
+    positions = torch.arange(MAXLEN - 6, MAXLEN)
+    (keep,) = keyed_masks(1, (2, 3, 6, 6), p)
+    with torch.no_grad():
+        randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
+        actual = attention(x, x, positions, intervals)
+        randomness.end_micro_batches()
+        q, k, v = (attention._split(layer(x)) for layer in (attention.query, attention.key, attention.value))
+        if time_aware:
+            keys = k.unsqueeze(-2) + attention._split(attention.position_key(positions)).unsqueeze(-2)
+            k_pairs = keys.transpose(-2, -3) + attention._split(attention.interval_key(intervals)).transpose(1, 2)
+            logits = (q.unsqueeze(-2) * k_pairs).sum(-1)  # [B, h, i, j]
+            values = v + attention._split(attention.position_value(positions))
+            v_pairs = values.unsqueeze(-3) + attention._split(attention.interval_value(intervals)).transpose(1, 2)
+        else:
+            logits = q @ k.transpose(-1, -2)
+        future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        weights = (logits / math.sqrt(4)).masked_fill(future, float("-inf")).softmax(-1) * keep / (1 - p)
+        out = (weights.unsqueeze(-1) * v_pairs).sum(-2) if time_aware else weights @ v
+        expected = attention.out(out.transpose(1, 2).flatten(-2))
+    assert 0.1 < (keep == 0).float().mean() < 0.5
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

@@ -220,3 +220,22 @@ def test_two_processes_load_a_best_checkpoint_older_than_the_last(tmp_path):
     assert summary["best_step"] == 3 and summary["global_step"] == 18
     assert "test_mse" in json.dumps(summary)
     assert verify_run(out) == []
+
+
+def test_accelerated_zero_grad_still_reads_the_optimizers_signature():
+    """toolkit.run answers Accelerate's per-step question (does optimizer.zero_grad take set_to_none?) once per
+    function: the answers stay right for each optimizer class."""
+    import accelerate.optimizer
+
+    import toolkit.run  # noqa: F401  (installs the cached signature)
+
+    class NoSetToNone(torch.optim.SGD):
+        def zero_grad(self):  # an optimizer whose zero_grad takes no set_to_none: Accelerate then refuses the flag
+            super().zero_grad(set_to_none=False)
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    sgd, other = torch.optim.SGD([weight], lr=0.1), NoSetToNone([weight], lr=0.1)
+    ask = accelerate.optimizer.inspect.signature
+    assert "set_to_none" in ask(sgd.zero_grad).parameters
+    assert "set_to_none" not in ask(other.zero_grad).parameters
+    assert ask(sgd.zero_grad) is ask(torch.optim.SGD([weight]).zero_grad)  # once per function, not per call

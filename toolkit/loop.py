@@ -138,6 +138,7 @@ class TrainingLoop:
         self._last_saved_step: int | None = None
         self._pending_loss: list[torch.Tensor] = []
         self._bar = None
+        self._postfix_at = float("-inf")  # when the progress bar's postfix was last formatted
         self._timer = _IntervalTimer()
         self._test_metrics: dict = {}
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
@@ -235,9 +236,10 @@ class TrainingLoop:
 
     def _agree(self, preempt: bool = False, diverged: bool = False, stop: bool = False) -> tuple[bool, bool, bool]:
         """One all-reduce: has ANY rank been pre-empted, seen a non-finite loss, or been asked to stop?"""
+        if self.accelerator.num_processes == 1:
+            return preempt, diverged, stop  # nobody to agree with: no tensor, no collective (every step)
         flags = torch.tensor([preempt, diverged, stop], dtype=torch.float32, device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
+        flags = self.accelerator.reduce(flags, reduction="sum")
         return tuple(bool(v > 0) for v in flags.tolist())
 
     def _take_stop_request(self) -> None:
@@ -247,9 +249,10 @@ class TrainingLoop:
 
     def _after_optimizer_step(self, end_of_epoch: bool) -> None:
         cfg, progress = self.config, self.progress
-        losses = torch.stack(self._pending_loss).cpu() if self._pending_loss else torch.zeros(0)
+        # Python floats: one device-to-host copy per micro-batch and no small tensors (a few us each, every step)
+        losses = [float(loss) for loss in self._pending_loss]
         self._pending_loss.clear()
-        step_loss = float(losses.mean()) if losses.numel() else float("nan")
+        step_loss = sum(losses) / len(losses) if losses else float("nan")
         if progress.first_loss is None and math.isfinite(step_loss):
             progress.first_loss = step_loss
         ratio = cfg.max_loss_ratio
@@ -261,14 +264,17 @@ class TrainingLoop:
                 self._diverged(f"the training loss exploded to {step_loss:.4g} at step {progress.global_step}, more "
                                f"than --max-loss-ratio {ratio:g} x the first step's {progress.first_loss:.4g}")
             self._diverged(f"the training loss is {step_loss} at step {progress.global_step}")
-        progress.interval_loss_sum += float(losses.sum())
-        progress.interval_loss_count += losses.numel()
-        if self._bar is not None:
-            rate = self._timer.samples / max(time.perf_counter() - self._timer.started, 1e-9)
-            # refresh=False: drawn by the update, at tqdm's own pace; a redraw every step (set_postfix's default)
-            # costs ~20 us a step and writes a line per step into a log that is not a terminal.
-            self._bar.set_postfix(epoch=progress.epoch, loss=f"{step_loss:.4f}", samples_per_s=f"{rate:.0f}",
-                                  refresh=False)
+        progress.interval_loss_sum += sum(losses)
+        progress.interval_loss_count += len(losses)
+        if self._bar is not None and not self._bar.disable:  # (disabled, e.g. TQDM_DISABLE: no mininterval)
+            now = time.perf_counter()
+            # The postfix is formatted only as often as tqdm may draw it (mininterval), and never forces a redraw
+            # (set_postfix's default): a redraw every step costs ~20 us and writes a line per step into a log file.
+            if now - self._postfix_at >= self._bar.mininterval:
+                self._postfix_at = now
+                rate = self._timer.samples / max(now - self._timer.started, 1e-9)
+                self._bar.set_postfix(epoch=progress.epoch, loss=f"{step_loss:.4f}", samples_per_s=f"{rate:.0f}",
+                                      refresh=False)
             self._bar.update(1)
         if progress.global_step % cfg.log_every == 0:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
@@ -357,6 +363,9 @@ class TrainingLoop:
         run stopped by --max-steps or a request) does not restart that mean, so a run resumed past it writes the
         rows an uninterrupted run writes."""
         progress, timer = self.progress, self._timer
+        # The row's interval is the training since the last row (its steps, and the checkpoint saved after that
+        # row): read before evaluating, so epoch_time_sec and throughput leave the evaluation out.
+        interval = time.perf_counter() - timer.started
         self.model.eval()
         with torch.no_grad():
             metrics = self.evaluate_fn()
@@ -368,7 +377,6 @@ class TrainingLoop:
         progress.last_metrics = metrics
         progress.last_eval_step = progress.global_step
         train_loss = progress.interval_loss_sum / progress.interval_loss_count if progress.interval_loss_count else None
-        interval = time.perf_counter() - timer.started
         util = [u for u in timer.gpu_util if u is not None]
         timed = timer.samples > 0  # empty timings when nothing was trained since the resume
         row = {

@@ -89,25 +89,35 @@ def end_micro_batches() -> None:
     _current = None
 
 
-def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """Dropout whose mask for a sample is the same on any rank and any process count (dim 0 = batch).
+def keyed_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
+    """The keep mask of keyed dropout for x (dim 0 = batch): 1.0 where kept, 0.0 where dropped, in x's dtype, the
+    same for a sample on any rank and any process count. None outside a loop's micro-batch (no key announced).
 
     The mask of the global micro-batch [world_size * b, ...] is drawn from a generator seeded by (seed, key, call
     number) and this rank's rows [rank * b, (rank + 1) * b) are kept: the rows a rank holds under split batches.
-    Outside a loop's micro-batch (no key announced) it is plain dropout.
     """
-    if not training or p == 0.0:
-        return x
     if _current is None:
-        return torch.nn.functional.dropout(x, p, training=True)
+        return None
     state = _current
     state.calls += 1
-    seed = int(keyed_hash(state.seed, 0xD509, state.key, state.calls))
-    generator = torch.Generator(device=x.device).manual_seed(seed)
+    generator = torch.Generator(device=x.device).manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
     rows = x.shape[0]
     draw = torch.rand((rows * state.world_size, *x.shape[1:]), generator=generator, device=x.device)
-    keep = draw[state.rank * rows:(state.rank + 1) * rows] >= p
-    return x * keep.to(x.dtype) / (1.0 - p)
+    # In place, one pass: the uniform draws become the 0/1 mask (no bool tensor, no separate conversion).
+    keep = draw[state.rank * rows:(state.rank + 1) * rows].ge_(p)
+    return keep if keep.dtype == x.dtype else keep.to(x.dtype)
+
+
+def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout whose mask for a sample is the same on any rank and any process count (dim 0 = batch; see
+    keyed_keep_mask). Outside a loop's micro-batch it is plain dropout."""
+    if not training or p == 0.0:
+        return x
+    keep = keyed_keep_mask(x, p)
+    if keep is None:
+        return torch.nn.functional.dropout(x, p, training=True)
+    # The 1 / (1 - p) scale goes into the mask in place: one multiplication of x forward, one backward.
+    return x * keep.mul_(1.0 / (1.0 - p))
 
 
 class KeyedDropout(torch.nn.Module):

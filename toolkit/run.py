@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import inspect
 import json
 import os
 import secrets
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +49,19 @@ from toolkit.tracking import LOG_FILE, METRICS_FILE, tracker_choice, tracker_ini
 # ~40 us a step: a third of the toolkit's cost on the UFS MLP's 1.3 ms step, benchmarks/overhead.py). What is
 # installed does not change during a run: asked once.
 accelerate.optimizer.is_lomo_available = functools.cache(accelerate.optimizer.is_lomo_available)
+
+
+@functools.cache
+def _signature_of_function(function) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+# Its zero_grad also calls inspect.signature(optimizer.zero_grad) in every step (~25 us, to see whether it takes
+# set_to_none; its module's only use of `inspect`). A method's signature does not change: asked once per function
+# (the unbound function's signature has the same parameter names, self aside).
+accelerate.optimizer.inspect = types.SimpleNamespace(
+    signature=lambda method: _signature_of_function(getattr(method, "__func__", method))
+)
 
 RUNS_ROOT = Path("runs")
 CONFIG_FILE = "config.json"

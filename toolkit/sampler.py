@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.randomness import keyed_hash
+from toolkit.randomness import keyed_hash_int
 
 EPOCH_ORDER = 13  # purpose of keyed randomness: the order of an epoch
 
@@ -42,8 +42,10 @@ class EpochPermutation(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def order(self, epoch: int) -> torch.Tensor:
-        keys = keyed_hash(self.seed, EPOCH_ORDER, epoch, torch.arange(self.num_items))
-        return torch.argsort(keys, stable=True)  # a pure function of (seed, epoch): no generator state
+        # A pure function of (seed, epoch): a generator seeded by their hash, no state carried between epochs (randperm
+        # of 24,000 items takes ~0.1 ms, a stable argsort of their hashes ~1.5 ms).
+        generator = torch.Generator().manual_seed(keyed_hash_int(self.seed, EPOCH_ORDER, epoch))
+        return torch.randperm(self.num_items, generator=generator)
 
     def __len__(self) -> int:
         return self.num_items
@@ -98,16 +100,33 @@ class CrossEpochBatchSampler(torch.utils.data.Sampler):
         return self.batches_in_epoch(self.sampler.epoch)
 
     def __iter__(self):
-        epoch = self.sampler.epoch
+        # The epoch's batches at once, as index lists: no per-item Python (Accelerate's seedable sampler yields item by
+        # item, ~0.15 ms a step for the UFS MLP's batches of 1,000 against a 1.3 ms step).
+        epoch, batches = self.sampler.epoch, self.batch_range(self.sampler.epoch)
+        if not batches:
+            return
         first, _ = self._cycle(epoch)
-        orders: dict[int, torch.Tensor] = {}
-        for batch in self.batch_range(epoch):
-            positions = torch.arange(batch * self.batch_size, (batch + 1) * self.batch_size)
-            epochs = first + positions // self.num_items
-            items = torch.empty_like(positions)
-            for e in epochs.unique().tolist():
-                if e not in orders:
-                    orders[e] = self.sampler.order(e)
-                here = epochs == e
-                items[here] = orders[e][positions[here] % self.num_items]
-            yield list(zip(epochs.tolist(), items.tolist(), strict=True)) if self.with_epoch else items.tolist()
+        positions = torch.arange(batches.start * self.batch_size, batches.stop * self.batch_size)
+        epochs = first + positions // self.num_items
+        items = torch.empty_like(positions)
+        for e in epochs.unique().tolist():
+            here = epochs == e
+            items[here] = self.sampler.order(e)[positions[here] % self.num_items]
+        rows = items.view(len(batches), self.batch_size).tolist()
+        if not self.with_epoch:
+            yield from rows
+            return
+        for epoch_row, item_row in zip(epochs.view(len(batches), self.batch_size).tolist(), rows, strict=True):
+            yield list(zip(epoch_row, item_row, strict=True))
+
+
+def shuffled_batches(num_items: int, batch_size: int, *, seed: int, epochs: int) -> CrossEpochBatchSampler:
+    """The usual training order, as a batch sampler: each epoch a keyed permutation of the items cut into full
+    batches, the incomplete last one dropped (a DataLoader's shuffle=True, drop_last=True), the same on every rank,
+    after a resume and for any process count. For small steps with large batches, where Accelerate's seedable
+    sampler costs a visible share of the step:
+
+        train_loader = DataLoader(train_set, batch_sampler=shuffled_batches(len(train_set), cfg.batch_size,
+                                                                            seed=cfg.seed, epochs=cfg.epochs))
+    """
+    return CrossEpochBatchSampler(num_items, batch_size, seed=seed, epochs=epochs, epochs_per_cycle=1)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.randomness import KeyedDropout, keyed_dropout
+from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep_mask
 
 NORMS = ("post", "pre", "original")
 
@@ -48,16 +48,18 @@ class SelfAttention(nn.Module):
         return x.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
     def forward(self, query_in, kv_in, positions=None, intervals=None) -> torch.Tensor:
-        q = self._split(self.query(query_in))
-        k, v = self._split(self.key(kv_in)), self._split(self.value(kv_in))
+        if query_in is kv_in:  # self-attention: one [d, 3d] product instead of three (same weights, same names)
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            q, k, v = (self._split(t) for t in F.linear(query_in, weight, bias).chunk(3, dim=-1))
+        else:
+            q = self._split(self.query(query_in))
+            k, v = self._split(self.key(kv_in)), self._split(self.value(kv_in))
         p = self.dropout if self.training else 0.0
         if not self.time_aware and p == 0.0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif not self.time_aware:  # dropout on the attention weights: keyed, so it is the same on any rank
-            length = q.shape[-2]
-            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-            logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            out = keyed_dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p) @ v
+            out = causal_attention_with_dropout(q, k, v, p)
         else:
             out = self._time_aware(q, k, v, positions, intervals, p)
         return self.out(out.transpose(-3, -2).flatten(-2))
@@ -74,16 +76,42 @@ class SelfAttention(nn.Module):
         v = v + self._split(self.position_value(positions))
         index = intervals.unsqueeze(1).expand(-1, self.heads, -1, -1)  # [B, h, L, L]
         interval_keys = self._split(self.interval_key.weight)  # [h, span + 1, d_h]
-        logits = q @ k.transpose(-1, -2) + (q @ interval_keys.transpose(-1, -2)).gather(-1, index)
-        logits = logits / math.sqrt(q.shape[-1])
+        # In place on the [B, h, L, L] logits (none of these backward passes needs its input): fewer full passes.
+        logits = (q @ interval_keys.transpose(-1, -2)).gather(-1, index).add_(q @ k.transpose(-1, -2))
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        weights = keyed_dropout(logits.masked_fill(future, float("-inf")).softmax(-1), p, self.training)
+        logits = logits.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(future, float("-inf"))
+        weights = logits.softmax(-1)
+        scale = 1.0
+        if self.training and p > 0.0:
+            keep = keyed_keep_mask(weights, p)  # as causal_attention_with_dropout: 0/1, scaled at the output
+            weights, scale = (F.dropout(weights, p), 1.0) if keep is None else (weights * keep, 1.0 / (1.0 - p))
         interval_values = self._split(self.interval_value.weight)  # [h, span + 1, d_h]
         if weights.is_cuda and torch.are_deterministic_algorithms_enabled():
-            return weights @ v + interval_value_sum_by_gather(weights, index, interval_values)
-        bins = weights.new_zeros(*weights.shape[:-1], self.interval_value.num_embeddings)
-        bins.scatter_add_(-1, index, weights)  # deterministic on CPU; on CUDA it sums with atomics
-        return weights @ v + bins @ interval_values
+            out = weights @ v + interval_value_sum_by_gather(weights, index, interval_values)
+        else:
+            bins = weights.new_zeros(*weights.shape[:-1], self.interval_value.num_embeddings)
+            bins.scatter_add_(-1, index, weights)  # deterministic on CPU; on CUDA it sums with atomics
+            out = weights @ v + bins @ interval_values
+        return out if scale == 1.0 else out * scale
+
+
+def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v; q, k, v: [B, h, L, d_h].
+
+    Written for the CPU, where this is most of SASRec's step at maxlen 200 (the weights are [B, h, L, L]): the
+    scale and the causal mask enter the product itself (one baddbmm, no separate division and masked_fill
+    passes), the dropout mask is a 0/1 tensor made in place, and its 1 / (1 - p) scale is applied to the L times
+    smaller output instead of the weights.
+    """
+    batch, heads, length, dim = q.shape
+    future = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    logits = torch.baddbmm(future, q.reshape(-1, length, dim), k.reshape(-1, length, dim).transpose(1, 2),
+                           alpha=1.0 / math.sqrt(dim))
+    weights = logits.softmax(-1).view(batch, heads, length, length)
+    keep = keyed_keep_mask(weights, p)
+    if keep is None:  # outside a training loop's micro-batch: plain dropout
+        return F.dropout(weights, p, training=True) @ v
+    return (weights * keep) @ v * (1.0 / (1.0 - p))
 
 
 def interval_value_sum_by_gather(weights: torch.Tensor, index: torch.Tensor, interval_values: torch.Tensor):
