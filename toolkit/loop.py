@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint, preemption, randomness, shutdown
+from toolkit import checkpoint, compilation, preemption, randomness, shutdown
 from toolkit.errors import UsageError
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
@@ -142,6 +142,7 @@ class TrainingLoop:
         self._timer = _IntervalTimer()
         self._test_metrics: dict = {}
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
+        self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
 
     # ---- start: take the run directory, resume ----------------------------------------------------------------
     def start(self) -> None:
@@ -253,6 +254,8 @@ class TrainingLoop:
         losses = [float(loss) for loss in self._pending_loss]
         self._pending_loss.clear()
         step_loss = sum(losses) / len(losses) if losses else float("nan")
+        if self._compile_report is not None:  # --compile: the first step's compute, said once (toolkit/compilation.py)
+            self._compile_report = self._compile_report(self._timer.compute_sec)
         if progress.first_loss is None and math.isfinite(step_loss):
             progress.first_loss = step_loss
         ratio = cfg.max_loss_ratio

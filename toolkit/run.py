@@ -38,7 +38,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, orphans, precision, preemption, shutdown
+from toolkit import checkpoint, compilation, orphans, precision, preemption, shutdown
 from toolkit.config import TrainConfig
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -138,6 +138,8 @@ class Run:
         if problem[0] is None and not self.is_main and os.environ.get("LOCAL_RANK", "0") == "0":
             problem[0] = _shared_filesystem_problem(self)
         _raise_if_any(accelerator, problem[0])
+        if self.config.compile:  # inductor's caches into the run dir (every rank, before the first step compiles)
+            compilation.use_run_cache(self.output_dir)
         if accelerator.log_with:
             accelerator.init_trackers(
                 self.config.wandb_project or self.recipe,

@@ -1,0 +1,98 @@
+"""`--compile` across a run's lives: inductor's on-disk caches live in the run directory, and the first step says
+in one line what compiling cost.
+
+Why the run directory: inductor caches what it compiles under TORCHINDUCTOR_CACHE_DIR, by default
+/tmp/torchinductor_$USER, i.e. per machine. A run resumed with `--resume-from auto`, e.g. requeued by SLURM onto
+another node, would find that cache empty and pay the cold compile (tens of seconds to minutes) again in every
+life. The run directory is the one place every rank of every life sees (Run.begin checks that all machines see it),
+so RUN/compile-cache is set on every rank when the run takes it, before the first step compiles; a fresh run
+directory starts its own cache.
+
+What torch 2.13 keeps there, all on by default (torch/_inductor/config.py fx_graph_cache, torch/_functorch/config.py
+enable_autograd_cache): the FX graph cache (inductor's generated code and the C++ .so / Triton kernels built from
+it), the AOTAutograd cache (the traced forward+backward, so a hit skips AOT tracing too), and on GPUs Triton's
+kernel cache (TORCHINDUCTOR_CACHE_DIR/triton/<device>, unless TRITON_CACHE_DIR says otherwise). Entries are keyed
+by the graph, the torch version, the device and the config, written atomically and guarded by file locks in the
+cache: ranks and nodes can share it, and an entry that no longer fits is a miss, never a wrong kernel. Dynamo's
+bytecode tracing is not cached, so a warm first step still costs a few seconds.
+
+The directory sits beside checkpoints/, not in it: checkpoint manifests, pruning, leftover cleanup and `verify`
+only look under checkpoints/, so the cache is neither damage nor something a later life removes. A
+TORCHINDUCTOR_CACHE_DIR the user set (anything but inductor's default) is kept: the line names where it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+CACHE_DIR = "compile-cache"
+_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_chosen: str | None = None  # the cache directory this process set (a later run in the same process replaces it)
+_baseline: dict[str, int] = {}  # inductor's cache counters when this life's run started (they are process-wide)
+
+
+def use_run_cache(run_dir: Path) -> Path:
+    """Point inductor's caches at RUN/compile-cache (every rank, from Run.begin). Returns the directory in use,
+    which is the user's own when TORCHINDUCTOR_CACHE_DIR was set to something else than inductor's default.
+
+    Called when the run takes its directory, not earlier: torch.compile() itself (Accelerate's prepare) makes the
+    cache directory, and a run refused before Run.begin must leave nothing behind. Nothing compiles before then:
+    torch.compile only wraps the model; dynamo and inductor work at its first call, the first training step."""
+    global _chosen, _baseline
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(_ENV)
+    # inductor writes its default into the environment when it first looks; a value this process set is ours too
+    ours = current is None or os.path.realpath(current) in (os.path.realpath(default_cache_dir()), _chosen)
+    if ours:
+        where = os.path.realpath(Path(run_dir) / CACHE_DIR)  # absolute: inductor resolves it when it compiles
+        if _chosen and os.environ.get("TRITON_CACHE_DIR", "").startswith(_chosen):
+            del os.environ["TRITON_CACHE_DIR"]  # inductor set it under the previous run's cache: follows ours
+        os.environ[_ENV] = _chosen = where
+        if "torch._inductor.utils" in sys.modules:  # a run before this one in this process memoised its paths
+            sys.modules["torch._inductor.utils"].clear_caches()
+    _baseline = _counts()
+    return Path(run_dir) / CACHE_DIR if ours else Path(current)
+
+
+def _counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
+
+
+def describe_first_step(seconds: float, where: Path | str) -> str:
+    """The one line: how long the first step took and whether it compiled (cold) or loaded (warm) its graphs,
+    judged from inductor's FX graph cache counters since the run started (one count per compiled graph: the
+    forward and the backward are two)."""
+    now = _counts()
+    hit, miss, bypass = (now[k] - _baseline.get(k, 0) for k in ("hit", "miss", "bypass"))
+    graphs = hit + miss + bypass
+    took = f"torch.compile: first step took {seconds:.1f} s"
+    not_cached = f"; {bypass} graph(s) not cacheable" if bypass else ""
+    if graphs == 0:
+        return f"{took} (no graph compiled in it)"
+    if miss == 0 and hit:
+        return f"{took} (cache: warm, {hit} graph(s) reused from {where}{not_cached})"
+    state = "cold" if hit == 0 else f"partly warm, {hit} of {graphs} graph(s) reused"
+    return f"{took} (compiling {miss + bypass} graph(s); cache: {state}, {where}{not_cached}); later lives reuse it"
+
+
+def first_step_reporter(run):
+    """For --compile: a callable the training loop gives the first optimizer step's compute seconds; it prints the
+    line (main process) and returns None, so the loop calls it once per life. None without --compile."""
+    if not run.config.compile:
+        return None
+
+    def report(seconds: float) -> None:
+        if run.is_main:
+            from tqdm.auto import tqdm
+
+            where = os.environ.get(_ENV) or "?"  # set by Run.begin, after the loop was made
+            shown = run.output_dir / CACHE_DIR if os.path.realpath(where) == _chosen else where  # the path as given
+            tqdm.write(describe_first_step(seconds, shown))  # between progress-bar redraws
+            sys.stdout.flush()
+
+    return report
