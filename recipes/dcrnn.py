@@ -33,7 +33,6 @@ import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption
 
 # isort: split
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,10 +63,8 @@ TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
 
 @dataclass
 class DCRNNConfig(TrainConfig):
-    """The `cpu` preset: a small DCRNN that trains in minutes on 2 CPU cores on a generated 50-sensor network."""
+    """DCRNN on a road graph; the defaults are the `cpu` preset's (PRESETS below)."""
 
-    preset: Literal["cpu", "metr-la"] = "cpu"
-    """Defaults for every other flag: cpu (small, quick) or metr-la (the paper's settings). Explicit flags win."""
     data: Path | None = None
     """Directory holding the speed table (*.h5, e.g. metr-la.h5) and the adjacency pickle (adj*.pkl)."""
     cache_dir: Path = Path("~/.cache/accelerate-recipes")
@@ -95,30 +92,14 @@ class DCRNNConfig(TrainConfig):
     threads: int = 1  # this model's products are small: more threads gain little and, on a busy machine, stall
 
 
-@dataclass
-class METRLAConfig(DCRNNConfig):
-    """The `metr-la` preset: the published DCRNN settings (Li et al. 2018, the reference code's dcrnn_la.yaml)."""
-
-    preset: Literal["cpu", "metr-la"] = "metr-la"
-    units: int = 64
-    sampling_decay_steps: float = 2000.0
-    lr_decay_epochs: tuple[int, ...] = (20, 30, 40, 50)
-    epochs: int = 100
-    threads: int = 0
-
-
-PRESETS = {"cpu": DCRNNConfig, "metr-la": METRLAConfig}
-
-
-def chosen_preset(argv: list[str] | None) -> type[DCRNNConfig]:
-    """The preset's config class, read ahead of parsing so that its values become the defaults (an unknown name is
-    left to the parser, which names the valid ones)."""
-    args = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--preset" and i + 1 < len(args) else arg.partition("=")[2]
-        if arg == "--preset" or arg.startswith("--preset="):
-            return PRESETS.get(value, DCRNNConfig)
-    return DCRNNConfig
+# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+PRESETS = {
+    "cpu": ("a small DCRNN that trains in minutes on 2 CPU cores on a generated 50-sensor network", DCRNNConfig()),
+    "metr-la": (
+        "the published settings (Li et al. 2018, the reference code's dcrnn_la.yaml)",
+        DCRNNConfig(units=64, sampling_decay_steps=2000.0, lr_decay_epochs=(20, 30, 40, 50), epochs=100, threads=0),
+    ),
+}
 
 
 def check(cfg: DCRNNConfig) -> None:
@@ -144,7 +125,7 @@ def check(cfg: DCRNNConfig) -> None:
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(chosen_preset(argv), argv, description=__doc__)
+    cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)
     # The graph supports are constants on every rank: no need for DDP to broadcast them every forward.
     run = start_run(cfg, recipe="dcrnn", ddp_kwargs={"broadcast_buffers": False})

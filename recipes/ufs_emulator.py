@@ -42,7 +42,6 @@ import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption
 
 # isort: split
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -74,11 +73,8 @@ from toolkit.tracking import format_table
 
 @dataclass
 class UfsConfig(TrainConfig):
-    """The `cpu` preset: a CPU-sized training length (minutes on a laptop for the generated file)."""
+    """The sea-ice emulator; the defaults are the `cpu` preset's (PRESETS below)."""
 
-    preset: Literal["cpu", "gdas"] = "cpu"
-    """Defaults for every other flag: cpu (300 epochs, patience 20) or gdas (the teams' settings: 100,000 epochs,
-    patience 50 reported only, at least 3,000 epochs, 400,000 patterns per process). Explicit flags win."""
     data: Path | None = None
     """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one); with
     --data-atmos, the ocean/ice file."""
@@ -136,30 +132,16 @@ class UfsConfig(TrainConfig):
     lr: float = 1e-4
 
 
-@dataclass
-class GdasConfig(UfsConfig):
-    """The `gdas` preset: the teams' training of the emulator on GDAS CICE history files (seeds 000/001)."""
-
-    preset: Literal["cpu", "gdas"] = "gdas"
-    epochs: int = 100_000
-    patience: int = 50
-    stop_early: bool = False
-    min_epochs: int = 3_000
-    max_patterns_per_rank: int = 400_000
-
-
-PRESETS = {"cpu": UfsConfig, "gdas": GdasConfig}
-
-
-def chosen_preset(argv: list[str] | None) -> type[UfsConfig]:
-    """The preset's config class, read ahead of parsing so that its values become the defaults (an unknown name is
-    left to the parser, which names the valid ones)."""
-    args = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--preset" and i + 1 < len(args) else arg.partition("=")[2]
-        if arg == "--preset" or arg.startswith("--preset="):
-            return PRESETS.get(value, UfsConfig)
-    return UfsConfig
+# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+PRESETS = {
+    "cpu": ("300 epochs, patience 20: minutes on a laptop CPU for the generated file, NOT the teams' length",
+            UfsConfig()),
+    "gdas": (
+        "the teams' training on GDAS CICE files (seeds 000/001): 100,000 epochs, patience 50 only reported, at "
+        "least 3,000 epochs, 400,000 patterns per process",
+        UfsConfig(epochs=100_000, patience=50, stop_early=False, min_epochs=3_000, max_patterns_per_rank=400_000),
+    ),
+}
 
 
 def variable_names(cfg: UfsConfig) -> dict[str, str]:
@@ -251,7 +233,7 @@ def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tens
 
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(chosen_preset(argv), argv, description=__doc__)
+    cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)
     run = start_run(cfg, recipe="ufs_emulator")
     accelerator = run.accelerator

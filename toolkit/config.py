@@ -1,7 +1,8 @@
 """The flags every recipe shares, and parsing them with tyro into one-line errors.
 
 A recipe's config dataclass subclasses `TrainConfig`, overriding defaults and adding its own fields, so every
-recipe has the same `--output-dir`, `--resume-from`, `--batch-size`, ... with the same meaning.
+recipe has the same `--output-dir`, `--resume-from`, `--batch-size`, ... with the same meaning. Its named presets
+(`--preset NAME`) are parsed here too (toolkit.presets).
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
 import tyro
 
+from toolkit import presets as presets_
 from toolkit.errors import UsageError
 
 
 @dataclass
 class TrainConfig:
+    preset: tyro.conf.Suppress[str | None] = None
+    """The preset the defaults came from (set by parse_config from `--preset NAME`, not a flag of its own)."""
     output_dir: Path | None = None
     """Run directory. Default: runs/<recipe>/<run-name>, the name made on the main process and shared."""
     resume_from: Literal["auto"] | Path | None = None
@@ -87,16 +92,25 @@ ConfigT = TypeVar("ConfigT", bound=TrainConfig)
 CHECK_ARGS = "TOOLKIT_CHECK_ARGS"  # =1: parse and check the flags, then exit (0, or 2 with the one error line)
 
 
-def parse_config(config_type: type[ConfigT], args: list[str] | None = None, description: str | None = None,
-                 default: ConfigT | None = None) -> ConfigT:
+def parse_config(presets: type[ConfigT] | Mapping[str, tuple[str, ConfigT]], args: list[str] | None = None,
+                 description: str | None = None) -> ConfigT:
     """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed).
-    default: an instance whose values are the flags' defaults (a preset), instead of the dataclass's own."""
+    presets: the recipe's {name: (one-line description, config)} (toolkit.presets; `--preset NAME` picks one, the
+    first by default, and its values are the flags' defaults), or just a config dataclass."""
     is_main = os.environ.get("RANK", "0") == "0"
+    args = sys.argv[1:] if args is None else list(args)
+    if isinstance(presets, Mapping):
+        name, args = presets_.split_preset(presets, args)
+        # The usage line then reads `recipe.py --preset NAME [flags]`, the syntax the toolkit documents.
+        prog = f"{Path(sys.argv[0]).name} {presets_.FLAG}"
+        cli = dict(f=presets_.preset_type(presets, description), args=[name, *args], prog=prog,
+                   default=presets_.named(presets, next(iter(presets))))
+    else:
+        cli = dict(f=presets, args=args, description=description)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            config = tyro.cli(config_type, args=args, description=description, console_outputs=is_main,
-                              default=default)
+            config = tyro.cli(**cli, console_outputs=is_main)
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             if is_main:
@@ -104,7 +118,7 @@ def parse_config(config_type: type[ConfigT], args: list[str] | None = None, desc
             raise SystemExit(2) from None
         raise
     validate(config)
-    _apply_batch_per_process(config, sys.argv[1:] if args is None else args)
+    _apply_batch_per_process(config, args)
     if os.environ.get(CHECK_ARGS) == "1":  # `toolkit sweep` checks a grid's flags before it makes anything
         raise SystemExit(0)
     return config

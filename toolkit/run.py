@@ -354,6 +354,10 @@ def _config_values(config: TrainConfig) -> dict:
 
 
 def _changed_flags(old: dict, new: dict) -> list[str]:
+    if "preset" not in old or old["preset"] is None:
+        # A run made before its recipe had presets ran with the values of today's default one; its other flags are
+        # compared one by one all the same.
+        old = {**old, "preset": new.get("preset")}
     return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
             for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
 
