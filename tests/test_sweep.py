@@ -112,6 +112,10 @@ def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves
     assert "lr=0.05  2  0,1" in result.stdout
     by_default = toolkit("compare", out)  # one sweep directory: the picture goes into it
     assert f"wrote {out}/compare.png" in by_default.stdout and (out / "compare.png").stat().st_size > 10_000
+    narrow = toolkit("compare", out, "--columns", "nothing", "test_m", "--out", tmp_path / "n.png")
+    assert "test_mse" in narrow.stdout.splitlines()[0]
+    refused = toolkit("compare", out, "--columns", "nope", check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --columns nope matches none of the runs' ")
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help=f"the picture (default: DIR/{PICTURE} for one DIR)")
     parser.add_argument("--csv", type=Path, default=None, help="also write the table as CSV")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown")
+    parser.add_argument("--columns", nargs="+", default=None, metavar="TEXT",
+                        help="show only the test metrics whose name contains one of these (default: all)")
 
 
 def find_runs(dirs: list[Path]) -> list[Path]:
@@ -140,7 +142,7 @@ class Comparison:
     groups: dict[str, list[RunResult]]
 
 
-def compare(runs: list[RunResult], metric: str | None = None) -> Comparison:
+def compare(runs: list[RunResult], metric: str | None = None, columns: list[str] | None = None) -> Comparison:
     first = runs[0]
     main = metric or first.summary.get("main_metric") or next(iter(first.summary.get("final_metrics") or {}), "")
     varying = sorted({key for run in runs for key in run.settings if run.settings.get(key) != first.settings.get(key)})
@@ -148,6 +150,12 @@ def compare(runs: list[RunResult], metric: str | None = None) -> Comparison:
     for run in runs:
         groups.setdefault(group_label(run.settings, varying), []).append(run)
     tests = sorted({key for run in runs for key in (run.summary.get("test_metrics_at_best") or {})})
+    if columns:
+        shown = [key for key in tests if any(text in key for text in columns)]
+        if not shown:
+            raise UsageError(f"--columns {' '.join(columns)} matches none of the runs' test metrics: "
+                             f"{', '.join(tests) or 'none'}")
+        tests = shown
     header = ["group", "n", "seeds", f"final {main}", f"best {main}", *tests, "wall s", "samples/s"]
     rows = []
     for label, members in groups.items():
@@ -237,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
     if not runs:
         raise UsageError(f"nothing to compare: none of the {len(paths)} run(s) under {' '.join(map(str, args.dirs))} "
                          "has finished (summary.json)")
-    table = compare(runs, args.metric)
+    table = compare(runs, args.metric, args.columns)
     print(as_text(table))
     out = args.out or (args.dirs[0] / PICTURE if len(args.dirs) == 1 and len(paths) > 1 else None)
     if out is not None:
