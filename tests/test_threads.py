@@ -27,6 +27,26 @@ def test_threads_are_set_in_every_process_and_recorded(config, threads, world, t
     assert threads_seen(result.stderr) == {rank: threads for rank in range(world)}
     recorded = read_json(out / "config.json")
     assert recorded["config"]["threads"] == threads and recorded["threads"] == threads
+    # Several OpenMP threads: the toolkit chose the passive wait policy (before torch loaded) and says so once.
+    said = (result.stdout + result.stderr).count("OMP_WAIT_POLICY=PASSIVE set by the toolkit")
+    assert said == (1 if threads > 1 else 0)
+
+
+def test_the_wait_policy_is_passive_unless_the_user_chose_one(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import recipe_env
+
+    probe = "import toolkit, os, sys; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    for given, expected in ((None, "PASSIVE False"), ("ACTIVE", "ACTIVE False")):
+        env = recipe_env({"OMP_WAIT_POLICY": given} if given else None)
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == expected  # set before torch is imported, so its OpenMP runtime reads it
+    out = tmp_path / "run"
+    result = run_recipe([*ARGS, "--threads", "2", "--output-dir", str(out)], recipe=TOY,
+                        env={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "OMP_WAIT_POLICY" not in result.stdout + result.stderr  # the user's choice is kept, and not remarked on
 
 
 def test_without_the_flag_the_launcher_decides(tmp_path):

@@ -23,13 +23,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import toolkit  # noqa: E402, F401, I001  first, as the recipes: before torch (SIGUSR1, OpenMP's wait policy)
+
+# isort: split
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import toolkit  # noqa: E402, F401
 from toolkit.config import TrainConfig, parse_config  # noqa: E402
 from toolkit.errors import exit_on_usage_error  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402

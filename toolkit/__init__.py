@@ -19,7 +19,9 @@ def _remember(signum, frame) -> None:
 if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
     signal.signal(signal.SIGUSR1, _remember)
 
-from toolkit import orphans, shutdown  # noqa: E402  after the signal handler: that one must come first
+from toolkit import openmp, orphans, shutdown  # noqa: E402  after the signal handler: that one must come first
+
+openmp.prefer_passive_wait()  # before anything imports torch (and its OpenMP runtime)
 
 orphans.stop_when_launcher_dies()
 shutdown.release_at_exit()

@@ -38,7 +38,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, compilation, orphans, precision, preemption, shutdown
+from toolkit import checkpoint, compilation, openmp, orphans, precision, preemption, shutdown
 from toolkit.config import TrainConfig
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -210,7 +210,8 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
               dict(extra_info or {}))
     watch_peers(accelerator.process_index, accelerator.num_processes, output_dir)
     _announce_rank(accelerator)
-    for line in [*warnings, *([slow_bf16] if slow_bf16 else [])]:
+    wait_policy = openmp.wait_policy_line(torch.get_num_threads())
+    for line in [*warnings, *([slow_bf16] if slow_bf16 else []), *([wait_policy] if wait_policy else [])]:
         run.print(line)
     where = f"resuming from {resume_checkpoint}" if resume_checkpoint else "fresh start"
     run.print(f"run {run_name}: {output_dir} ({where}); {accelerator.num_processes} process(es), {accelerator.device}")
