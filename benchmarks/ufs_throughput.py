@@ -1,6 +1,7 @@
 """UFS emulator training throughput (patterns/s): one process with 2 threads against 2 gloo processes with 1
 thread each, side by side (the seeds' "threading vs distributed" question), with 1 process x 1 thread as the
-baseline, and 1 GPU where CUDA exists.
+baseline, 1 process x 2 threads with libgomp's spin-wait (OMP_WAIT_POLICY=ACTIVE: what the toolkit's PASSIVE
+replaced), and 1 GPU where CUDA exists.
 
     python benchmarks/ufs_throughput.py [--data FILE] [--steps 300] [--batch-size 1000] [recipe flags...]
 
@@ -71,35 +72,39 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update({"TQDM_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file"]
+    env.pop("OMP_WAIT_POLICY", None)  # as from a user's shell: the recipe's `import toolkit` chooses PASSIVE
+    two_procs = [*launch, str(ROOT / "accelerate_configs" / "cpu_2proc.yaml")]
     configs = [
-        ("1 process x 1 thread (baseline)", [sys.executable], ["--threads", "1"]),
-        ("1 process x 2 threads", [sys.executable], ["--threads", "2"]),
-        (
-            "2 processes x 1 thread (gloo)",
-            [*launch, str(ROOT / "accelerate_configs" / "cpu_2proc.yaml")],
-            ["--threads", "1"],
-        ),
+        ("1 process x 1 thread (baseline)", [sys.executable], ["--threads", "1"], {}),
+        ("1 process x 2 threads", [sys.executable], ["--threads", "2"], {}),
+        ("2 processes x 1 thread (gloo)", two_procs, ["--threads", "1"], {}),
+        # libgomp's own default, what the toolkit replaced: spin-waiting threads
+        ("1 process x 2 threads, spin wait", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
     ]
     import torch
 
     if torch.cuda.is_available():
-        configs.append(("1 GPU (bf16)", [*launch, str(ROOT / "accelerate_configs" / "1gpu.yaml")], []))
-    results = [run(name, cmd, [*flags, *extra], work / f"run{i}", env) for i, (name, cmd, extra) in enumerate(configs)]
+        configs.append(("1 GPU (bf16)", [*launch, str(ROOT / "accelerate_configs" / "1gpu.yaml")], [], {}))
+    results = [run(name, cmd, [*flags, *extra], work / f"run{i}", {**env, **more})
+               for i, (name, cmd, extra, more) in enumerate(configs)]
     print(
         f"UFS emulator training, {known.steps} steps of global batch {known.batch_size} on {data.name}; "
         f"{os.cpu_count()} CPUs; last {max(known.steps // 3, 1)} steps timed"
     )
-    print(f"{'configuration':<32} {'patterns/s':>12} {'data wait':>10}")
+    print(f"{'configuration':<36} {'patterns/s':>12} {'data wait':>10}")
     for r in results:
         if "error" in r:
-            print(f"{r['name']:<32} failed: {r['error']}")
+            print(f"{r['name']:<36} failed: {r['error']}")
         else:
-            print(f"{r['name']:<32} {r['patterns_per_sec']:>12.0f} {100 * r['data_wait']:>9.1f}%")
+            print(f"{r['name']:<36} {r['patterns_per_sec']:>12.0f} {100 * r['data_wait']:>9.1f}%")
     if not torch.cuda.is_available():
-        print(f"{'1 GPU':<32} not measured: no GPU on this machine (torch.cuda.is_available() is False)")
-    ok = [r for r in results[1:3] if "error" not in r]
-    if len(ok) == 2:
-        print(f"2 processes / 1 process x 2 threads: {ok[1]['patterns_per_sec'] / ok[0]['patterns_per_sec']:.2f}x")
+        print(f"{'1 GPU':<36} not measured: no GPU on this machine (torch.cuda.is_available() is False)")
+    ok = [r for r in results[:3] if "error" not in r]
+    if len(ok) == 3:
+        base = ok[0]["patterns_per_sec"]
+        print(f"1 x 2 threads / 1 x 1: {ok[1]['patterns_per_sec'] / base:.2f}x; 2 processes / 1 x 1: "
+              f"{ok[2]['patterns_per_sec'] / base:.2f}x; 2 processes / 1 x 2 threads: "
+              f"{ok[2]['patterns_per_sec'] / ok[1]['patterns_per_sec']:.2f}x")
 
 
 if __name__ == "__main__":
