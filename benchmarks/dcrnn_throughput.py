@@ -9,6 +9,12 @@ median. Each run trains 2 x --steps optimizer steps with one evaluation after th
 metrics.csv row times steady-state training only (the first holds the warm-up). Without --data a generated
 50-sensor, 28-day network (the CPU preset's data) is written to a temporary directory. The global batch is the
 same for every configuration (the recipe's --batch-size, 64 by default), split over the processes.
+
+    python benchmarks/dcrnn_throughput.py --profile 3 [--threads 1]
+
+instead profiles 3 training steps (forward, backward, clip, Adam) of the cpu preset's model (2x16, K=2, batch 64,
+scheduled-sampling coins at 0.5) on the generated network's graph with torch.profiler, in this process, and prints
+the top of the table by self CPU time.
 """
 
 from __future__ import annotations
@@ -61,12 +67,49 @@ def run_once(config: str, data: Path, steps: int, flags: list[str], workdir: Pat
     return float(rows[-1]["throughput_samples_per_sec"]), rows[-1]["world_size"]
 
 
+def profile_steps(steps: int, threads: int) -> None:
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from toolkit.models.dcrnn import DCRNN
+
+    torch.set_num_threads(threads)
+    _, _, adjacency = generate(sensors=50, days=2, seed=0, progress=False)  # the same graph as days=28's
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, 50, 2, generator=generator)
+    y = torch.randn(64, 12, 50, generator=generator)
+    coins = torch.rand(64, 12, generator=generator) < 0.5
+    torch.manual_seed(0)
+    model = DCRNN(np.asarray(adjacency, np.float32), units=16, layers=2, diffusion_steps=2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+
+    def step():
+        loss = (model(x, y, coins) - y).abs().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        optimizer.step()
+
+    step()  # warm-up: the sparse diffusion matrix and the optimizer state are made here
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"{steps} training steps, cpu preset model, batch 64, {threads} thread(s):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="steps timed per run (after as many warm-up steps)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every configuration once")
     parser.add_argument("--data", type=Path, default=None, help="traffic data directory (default: generated)")
+    parser.add_argument("--profile", type=int, default=0, help="profile this many model steps instead (see above)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of --profile")
     known, recipe_flags = parser.parse_known_args()
+    if known.profile > 0:
+        profile_steps(known.profile, known.threads)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="dcrnn-throughput-"))
     data = known.data
     if data is None:

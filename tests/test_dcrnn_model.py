@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from toolkit.models import dcrnn
 from toolkit.models.dcrnn import DCRNN, DiffusionConv, random_walk_supports, sampling_probability
 from toolkit.randomness import keyed_uniform
 
@@ -107,3 +108,87 @@ def test_a_few_adam_steps_lower_the_error():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _recurrence_dcrnn(model, adjacency, x, teacher=None, use_teacher=None):
+    """The straightforward formulation, with `model`'s parameters: per conv, the recurrence x_k = 2 S x_{k-1} - x_{k-2}
+    over each support, the 2K + 1 copies of [input, state] concatenated (matrix-major) into one linear map per gate."""
+    supports = random_walk_supports(adjacency).to(x.dtype)
+
+    def conv(linear, inputs):  # inputs [B, N, F]
+        diffused = [inputs]
+        for s in supports:
+            previous, current = inputs, torch.einsum("nm,bmf->bnf", s, inputs)
+            diffused.append(current)
+            for _ in range(2, model.encoder[0].gates.matrices // 2 + 1):
+                previous, current = current, 2 * torch.einsum("nm,bmf->bnf", s, current) - previous
+                diffused.append(current)
+        return torch.cat(diffused, dim=-1) @ linear.weight.T + linear.bias
+
+    def cell(c, inputs, state):
+        reset, update = torch.sigmoid(conv(c.gates.linear, torch.cat([inputs, state], -1))).chunk(2, -1)
+        candidate = torch.tanh(conv(c.candidate.linear, torch.cat([inputs, reset * state], -1)))
+        return update * state + (1 - update) * candidate
+
+    batch = x.shape[0]
+    states = [x.new_zeros(batch, model.nodes, model.units) for _ in model.encoder]
+    for t in range(x.shape[1]):
+        inputs = x[:, t]
+        for i, c in enumerate(model.encoder):
+            states[i] = inputs = cell(c, inputs, states[i])
+    step_input, outputs = x.new_zeros(batch, model.nodes, model.output_dim), []
+    for t in range(model.horizon):
+        inputs = step_input
+        for i, c in enumerate(model.decoder):
+            states[i] = inputs = cell(c, inputs, states[i])
+        prediction = model.projection(inputs)
+        outputs.append(prediction[..., 0])
+        step_input = prediction
+        if use_teacher is not None:
+            step_input = torch.where(use_teacher[:, t, None, None], teacher[:, t, :, None], prediction)
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_model_equals_the_recurrence_formulation_in_float64_values_and_gradients(steps, sparse, monkeypatch):
+    monkeypatch.setattr(dcrnn, "SPARSE_DENSITY", 2.0 if sparse else 0.0)  # force the product's path
+    rng = np.random.default_rng(steps)
+    adjacency = (rng.random((6, 6)) < 0.4) * rng.random((6, 6)) + np.eye(6)
+    adjacency[5] = adjacency[:, 5] = 0  # a sensor without degree: rows of zeros in both walks
+    torch.manual_seed(steps)
+    model = DCRNN(adjacency, units=5, layers=2, diffusion_steps=steps, horizon=4).double()
+    x = torch.randn(3, 12, 6, 2, dtype=torch.float64)
+    teacher = torch.randn(3, 4, 6, dtype=torch.float64)
+    coins = torch.rand(3, 4) < 0.5
+    ours = model(x, teacher, coins)
+    assert model.diffusion.operator(x)[0].is_sparse == sparse
+    reference = _recurrence_dcrnn(model, adjacency, x, teacher, coins)
+    assert ours.shape == reference.shape == (3, 4, 6)
+    assert torch.allclose(ours, reference, rtol=0, atol=1e-10)
+    weights = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours * weights).sum(), list(model.parameters()))
+    expected = torch.autograd.grad((reference * weights).sum(), list(model.parameters()))
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-10), name
+
+
+def test_the_diffusion_is_sparse_on_a_sparse_graph_and_dense_on_a_dense_one():
+    ring = np.eye(40) + np.roll(np.eye(40), 1, axis=1)  # each sensor feeds the next: T_1, T_2 are 2-3 diagonals
+    x = torch.zeros(40, 1, 1)
+    assert DCRNN(ring, units=4).diffusion.operator(x)[0].is_sparse
+    assert not DCRNN(CHAIN, units=4).diffusion.operator(x)[0].is_sparse  # 3 nodes: the powers fill in
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_trains_under_autocast_on_either_path(dtype):
+    ring = np.eye(40) + np.roll(np.eye(40), 1, axis=1)
+    for adjacency in (ring, CHAIN):  # sparse and dense diffusion
+        torch.manual_seed(0)
+        model = DCRNN(adjacency, units=4)
+        nodes = adjacency.shape[0]
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(torch.randn(2, 12, nodes, 2), torch.randn(2, 12, nodes), torch.rand(2, 12) < 0.5)
+        out.float().sum().backward()
+        assert torch.isfinite(out.float()).all()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -9,7 +9,8 @@ network of --days days is generated into the work directory. Both train 2 DCGRU 
 walk, batch 64, Adam 0.01 (eps 1e-3), clip 5, scheduled sampling decay 80 steps (our `cpu` preset), on the same
 windows: our split_windows() (70/10/20 in time, no window across a boundary) written as the reference's
 data/<name>/{train,val,test}.npz (x, y: [windows, 12, sensors, 2], speed in mph and time of day) with the adjacency
-pickle in the table's sensor order. --threads sets the intra-op threads of both (1: the cpu preset's).
+pickle in the table's sensor order. --threads sets the intra-op threads of both (1: the cpu preset's), each with
+OMP_WAIT_POLICY=PASSIVE.
 
 The reference needs scipy and tensorboard besides torch, numpy, pandas and PyYAML (give its interpreter with
 --python if this one lacks them). It is copied into a temporary directory (it writes runs/, models/ and its logs
@@ -218,7 +219,9 @@ def main() -> None:
     shutil.rmtree(copy, ignore_errors=True)  # a kept work directory: the reference's copy is made afresh
     copy_reference(reference, copy)
     sensors = write_reference_data(data, cache_dir, copy, args.epochs)
-    environment = thread_settings(args.threads)
+    # PASSIVE: OpenMP's idle threads sleep instead of spinning; with 2 threads on a shared machine the spinning
+    # workers stalled both sides (42 s a step instead of 0.27 s). The same for both, and a no-op at 1 thread.
+    environment = {**thread_settings(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
     print(
         f"DCRNN 2x16, K=2, batch 64, {sensors} sensors ({data}), {args.epochs} epoch(s) per run, "
         f"{args.rounds} round(s), {args.threads} thread(s) each; work in {workdir}",
