@@ -1,5 +1,5 @@
-"""Training throughput of the DCRNN recipe in windows per second: 1 and 2 CPU processes side by side, and 1 GPU
-where CUDA exists.
+"""Training throughput of the DCRNN recipe in windows per second: 1 process x 1 and x 2 threads and 2 CPU processes
+side by side, and 1 GPU where CUDA exists.
 
     python benchmarks/dcrnn_throughput.py [--steps 20] [--rounds 2] [--data DIR] [recipe flags...]
 
@@ -118,22 +118,27 @@ def main() -> None:
 
     import torch
 
-    configs = ["cpu.yaml", "cpu_2proc.yaml"] + (["1gpu.yaml"] if torch.cuda.is_available() else [])
-    results: dict[str, list[float]] = {config: [] for config in configs}
+    # (label, accelerate config, extra recipe flags): 1 process x 1 thread (the cpu preset), x 2 threads, 2 x 1
+    configs = [("1 process x 1 thread", "cpu.yaml", []), ("1 process x 2 threads", "cpu.yaml", ["--threads", "2"]),
+               ("2 processes x 1 thread", "cpu_2proc.yaml", [])]
+    if torch.cuda.is_available():
+        configs.append(("1 GPU", "1gpu.yaml", []))
+    results: dict[str, list[float]] = {label: [] for label, _, _ in configs}
     for round_ in range(known.rounds):
-        for config in configs:
-            rate, world = run_once(config, data, known.steps, recipe_flags, workdir, round_)
-            results[config].append(rate)
-            print(f"round {round_ + 1}: {config:15s} world size {world}: {rate:8.1f} windows/s", flush=True)
+        for index, (label, config, extra) in enumerate(configs):
+            rate, world = run_once(config, data, known.steps, [*recipe_flags, *extra], workdir,
+                                   round_ * len(configs) + index)
+            results[label].append(rate)
+            print(f"round {round_ + 1}: {label:24s} world size {world}: {rate:8.1f} windows/s", flush=True)
     print(
         f"\nmedian training throughput over {known.rounds} round(s), {known.steps} timed steps each "
         f"(recipe flags: {' '.join(recipe_flags) or 'defaults'}):"
     )
-    for config, rates in results.items():
-        print(f"  {config:15s} {statistics.median(rates):8.1f} windows/s")
-    one, two = statistics.median(results["cpu.yaml"]), statistics.median(results["cpu_2proc.yaml"])
-    print(f"  2 processes / 1 process = {two / one:.2f}x")
-    if "1gpu.yaml" not in results:
+    for label, rates in results.items():
+        print(f"  {label:24s} {statistics.median(rates):8.1f} windows/s")
+    one, threads, two = (statistics.median(results[label]) for label, _, _ in configs[:3])
+    print(f"  1 x 2 threads / 1 x 1 = {threads / one:.2f}x; 2 processes / 1 process = {two / one:.2f}x")
+    if "1 GPU" not in results:
         print("  1 GPU: not measured: no GPU lent (CUDA is not available on this machine)")
 
 
