@@ -6,6 +6,7 @@ reduction), side by side in one process. Rounds alternate between the two so mac
     python benchmarks/overhead.py --recipe sasrec          # SASRec d=50, 2 blocks, maxlen 200, batch 128 (~250 ms/step)
     python benchmarks/overhead.py --recipe dcrnn           # DCRNN cpu preset on a generated 50-sensor network, batch 64
     python benchmarks/overhead.py --recipe ufs_emulator    # the UFS MLP 3 x 64, batch 1000 (~1 ms/step)
+    python benchmarks/overhead.py --recipe sasrec --threads 1 --profile 5   # where the step goes (torch.profiler)
 
 Both loops read the same dataset object through a DataLoader (same batch size, shuffled) and build the same model
 from the same seed, in the same process with the same intra-op threads (--threads; default the recipe's), so the
@@ -264,6 +265,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="intra-op threads of this process (default: the recipe's)")
     parser.add_argument("--data", type=Path, help="dcrnn: a traffic data directory (default: generate one)")
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/accelerate-recipes"))
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="instead: torch.profiler over this many of the recipe's steps, the top of the table")
     args = parser.parse_args()
     problems = []
     if args.recipe not in RECIPES:
@@ -287,6 +290,16 @@ def main() -> None:
         work = ufs_workload()
 
     toolkit_round = toolkit_rounds(work, threads)  # first: start_run sets the process's threads for both
+    if args.profile:  # where the recipe's step goes (ops by self CPU time), after a warm-up
+        from torch.profiler import ProfilerActivity, profile
+
+        toolkit_round(3)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            toolkit_round(args.profile)
+        print(f"{args.recipe}: {args.profile} steps of the recipe's loop, batch {work.batch_size}, "
+              f"{torch.get_num_threads()} thread(s)")
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
+        return
     plain_round = plain_rounds(work)
     print(
         f"{args.recipe}: batch {work.batch_size}, {torch.get_num_threads()} thread(s), {args.rounds} rounds of "
