@@ -1,7 +1,7 @@
 """UFS emulator training throughput (patterns/s): one process with 2 threads against 2 gloo processes with 1
 thread each, side by side (the seeds' "threading vs distributed" question), with 1 process x 1 thread as the
-baseline, 1 process x 2 threads with libgomp's spin-wait (OMP_WAIT_POLICY=ACTIVE: what the toolkit's PASSIVE
-replaced), and 1 GPU where CUDA exists.
+baseline, 1 process x 2 threads with each OpenMP wait policy forced (ACTIVE: threads spin; PASSIVE: they sleep;
+without either the toolkit chooses by the machine's load, toolkit/openmp.py), and 1 GPU where CUDA exists.
 
     python benchmarks/ufs_throughput.py [--data FILE] [--steps 300] [--batch-size 1000] [recipe flags...]
 
@@ -72,14 +72,15 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update({"TQDM_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file"]
-    env.pop("OMP_WAIT_POLICY", None)  # as from a user's shell: the recipe's `import toolkit` chooses PASSIVE
+    env.pop("OMP_WAIT_POLICY", None)  # as from a user's shell: the recipe's `import toolkit` chooses by the load
     two_procs = [*launch, str(ROOT / "accelerate_configs" / "cpu_2proc.yaml")]
     configs = [
         ("1 process x 1 thread (baseline)", [sys.executable], ["--threads", "1"], {}),
         ("1 process x 2 threads", [sys.executable], ["--threads", "2"], {}),
         ("2 processes x 1 thread (gloo)", two_procs, ["--threads", "1"], {}),
-        # libgomp's own default, what the toolkit replaced: spin-waiting threads
-        ("1 process x 2 threads, spin wait", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
+        # the two policies the toolkit chooses between by the load (toolkit/openmp.py), each forced
+        ("1 process x 2 threads, ACTIVE", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
+        ("1 process x 2 threads, PASSIVE", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
     ]
     import torch
 

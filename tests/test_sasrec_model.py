@@ -221,3 +221,20 @@ def test_attention_dropout_is_the_literal_formula_with_the_keyed_mask(time_aware
         expected = attention.out(out.transpose(1, 2).flatten(-2))
     assert 0.1 < (keep == 0).float().mean() < 0.5
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 8])
+def test_attention_in_two_query_halves_is_the_whole_causal_attention(length):
+    """The halves skip the all-future upper right block: any length, odd or 1, gives the literal formula."""
+    from toolkit import randomness
+    from toolkit.models.sasrec import causal_attention_with_dropout
+
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(3, 2, length, 4, generator=g) for _ in range(3))
+    (keep,) = keyed_masks(1, (3, 2, length, length), 0.25)
+    randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
+    actual = causal_attention_with_dropout(q, k, v, 0.25)
+    randomness.end_micro_batches()
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    weights = (q @ k.transpose(-1, -2) / 2).masked_fill(future, float("-inf")).softmax(-1)
+    torch.testing.assert_close(actual, (weights * keep / 0.75) @ v, atol=1e-6, rtol=0)

@@ -1,32 +1,56 @@
-"""OpenMP's wait policy, chosen before torch loads its OpenMP runtime.
+"""OpenMP's wait policy, chosen before torch loads its OpenMP runtime, by how busy the machine is.
 
-libgomp (torch's CPU wheels) lets a thread that finished its share of a parallel region spin before it sleeps. On a
-machine whose cores other jobs share, the spinning thread takes the core the working one needs, and every parallel
-region waits for the scheduler: the UFS MLP's step at 2 threads went from 1.7 ms to 105 ms on the 2-core machine
-with two other jobs running (benchmarks/README.md); DCRNN stalled at 42 s a step. OMP_WAIT_POLICY=PASSIVE (threads
-sleep at once) gave 2.2 ms. The runtime reads the variable once, when it is loaded, so `import toolkit` sets it
-before torch is imported (the recipes import toolkit first); a value the user exported is kept.
+libgomp (torch's CPU wheels) lets a thread that finished its share of a parallel region spin before it sleeps. On an
+idle machine that is what makes a second thread pay: the UFS MLP's step at 1 process x 2 threads ran 1.53x the
+1 x 1 rate spinning and 0.77x with OMP_WAIT_POLICY=PASSIVE (threads sleep at once, and every parallel region then
+waits for them to wake). On a machine whose cores other jobs hold, the spinning thread takes the core the working
+one needs, and every parallel region waits for the scheduler: the same step went from 1.7 ms to 103 ms at 2 threads
+with two other jobs on the 2 cores, and 6.2 ms passive; DCRNN stalled at 42 s a step (benchmarks/README.md).
+
+So `import toolkit` looks at the machine when the process starts: when other work holds at least half the usable
+CPUs, both over the last minute (the load average) and now (the processes running besides this one), the policy
+becomes PASSIVE; otherwise libgomp's default (spin) stays. The runtime reads the variable once, when it is loaded,
+hence before torch is imported (the recipes import toolkit first). A value the user exported is kept.
+TOOLKIT_LOADAVG stands in for /proc/loadavg's text (tests), e.g. "3.1 2.0 1.5 4/300".
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 VARIABLE = "OMP_WAIT_POLICY"
-_set_here = False  # did this process choose the policy (rather than the user)?
+_reason: str | None = None  # why this process chose PASSIVE (None: it chose nothing)
+
+
+def _machine() -> tuple[float, int, int]:
+    """(1-minute load average, processes running now besides this one, usable CPUs)."""
+    text = os.environ.get("TOOLKIT_LOADAVG") or open("/proc/loadavg").read()
+    fields = text.split()
+    running = int(fields[3].split("/")[0]) - 1  # runnable now, this process included
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return float(fields[0]), running, cpus
 
 
 def prefer_passive_wait() -> None:
-    global _set_here
-    if VARIABLE not in os.environ and "torch" not in sys.modules:
+    """PASSIVE when the machine is busy, before torch (and its OpenMP runtime) is loaded; the user's value stays."""
+    global _reason
+    if VARIABLE in os.environ or "torch" in sys.modules:
+        return
+    try:
+        load, running, cpus = _machine()
+    except (OSError, ValueError, IndexError):
+        return  # no /proc/loadavg (not Linux): libgomp's default
+    busy = max(1.0, cpus / 2)
+    if math.isfinite(load) and load >= busy and running >= busy:
         os.environ[VARIABLE] = "PASSIVE"
-        _set_here = True
+        _reason = f"load average {load:.1f} and {running} other running process(es) on {cpus} CPUs at the start"
 
 
 def wait_policy_line(threads: int) -> str | None:
     """One line for the run's start when this process runs several OpenMP threads under the policy chosen here."""
-    if not _set_here or threads <= 1:
+    if _reason is None or threads <= 1:
         return None
-    return (f"threads: {threads}, with {VARIABLE}=PASSIVE set by the toolkit (OpenMP's spin-wait stalls a process "
-            f"whose cores other jobs share); export {VARIABLE}=ACTIVE to keep the spin")
+    return (f"threads: {threads}, with {VARIABLE}=PASSIVE set by the toolkit ({_reason}: other jobs hold cores, and "
+            f"OpenMP's spin-wait would stall every parallel region); export {VARIABLE} to choose yourself")

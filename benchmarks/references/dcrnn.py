@@ -10,7 +10,8 @@ walk, batch 64, Adam 0.01 (eps 1e-3), clip 5, scheduled sampling decay 80 steps 
 windows: our split_windows() (70/10/20 in time, no window across a boundary) written as the reference's
 data/<name>/{train,val,test}.npz (x, y: [windows, 12, sensors, 2], speed in mph and time of day) with the adjacency
 pickle in the table's sensor order. --threads sets the intra-op threads of both (1: the cpu preset's), each with
-OMP_WAIT_POLICY=PASSIVE.
+the OpenMP wait policy the toolkit chooses for this machine's load (toolkit/openmp.py: PASSIVE when busy, libgomp's
+spin when idle; an exported OMP_WAIT_POLICY is used as given).
 
 The reference needs scipy and tensorboard besides torch, numpy, pandas and PyYAML (give its interpreter with
 --python if this one lacks them). It is copied into a temporary directory (it writes runs/, models/ and its logs
@@ -28,6 +29,7 @@ both ratios are printed, per epoch and per step.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -219,12 +221,17 @@ def main() -> None:
     shutil.rmtree(copy, ignore_errors=True)  # a kept work directory: the reference's copy is made afresh
     copy_reference(reference, copy)
     sensors = write_reference_data(data, cache_dir, copy, args.epochs)
-    # PASSIVE: OpenMP's idle threads sleep instead of spinning; with 2 threads on a shared machine the spinning
-    # workers stalled both sides (42 s a step instead of 0.27 s). The same for both, and a no-op at 1 thread.
-    environment = {**thread_settings(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    # The same OpenMP wait policy for both: the one `import toolkit` chose for this process by the machine's load
+    # (spinning workers on a shared machine stalled both sides at 2 threads: 42 s a step instead of 0.27 s; on an
+    # idle one, sleeping workers make a second thread cost instead of help). A no-op at 1 thread.
+    import toolkit  # noqa: F401  (sets OMP_WAIT_POLICY when the machine is busy)
+
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    environment = {**thread_settings(args.threads), **({"OMP_WAIT_POLICY": policy} if policy else {})}
     print(
         f"DCRNN 2x16, K=2, batch 64, {sensors} sensors ({data}), {args.epochs} epoch(s) per run, "
-        f"{args.rounds} round(s), {args.threads} thread(s) each; work in {workdir}",
+        f"{args.rounds} round(s), {args.threads} thread(s) each, OpenMP wait policy "
+        f"{policy or 'libgomp default (spin)'}; work in {workdir}",
         flush=True,
     )
 

@@ -98,20 +98,30 @@ class SelfAttention(nn.Module):
 def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v; q, k, v: [B, h, L, d_h].
 
-    Written for the CPU, where this is most of SASRec's step at maxlen 200 (the weights are [B, h, L, L]): the
-    scale and the causal mask enter the product itself (one baddbmm, no separate division and masked_fill
-    passes), the dropout mask is a 0/1 tensor made in place, and its 1 / (1 - p) scale is applied to the L times
-    smaller output instead of the weights.
+    Written for the CPU, where this is most of SASRec's step at maxlen 200 (the weights are [B, h, L, L]):
+    - the queries go in two halves, and the first half's keys stop where its queries do: the upper right quarter of
+      the weights (all future, all zero) is never computed, a quarter less work in every product, forward and
+      backward;
+    - the scale and the causal mask enter the product itself (one baddbmm, no separate division and masked_fill
+      passes);
+    - the dropout mask is drawn for the whole [L, L] (the same keyed mask as ever) as a 0/1 tensor made in place,
+      and its 1 / (1 - p) scale is applied to the L times smaller output instead of the weights.
     """
     batch, heads, length, dim = q.shape
-    future = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    logits = torch.baddbmm(future, q.reshape(-1, length, dim), k.reshape(-1, length, dim).transpose(1, 2),
-                           alpha=1.0 / math.sqrt(dim))
-    weights = logits.softmax(-1).view(batch, heads, length, length)
-    keep = keyed_keep_mask(weights, p)
-    if keep is None:  # outside a training loop's micro-batch: plain dropout
-        return F.dropout(weights, p, training=True) @ v
-    return (weights * keep) @ v * (1.0 / (1.0 - p))
+    keep = keyed_keep_mask(q.new_empty(()).expand(batch, heads, length, length), p)
+    half = length // 2
+    outputs = []
+    for start, stop in ((0, half), (half, length)) if half else ((0, length),):
+        rows = stop - start  # queries start..stop-1 see keys 0..stop-1 at most
+        future = torch.full((rows, stop), float("-inf"), dtype=q.dtype, device=q.device).triu_(start + 1)
+        logits = torch.baddbmm(future, q[..., start:stop, :].reshape(-1, rows, dim),
+                               k[..., :stop, :].reshape(-1, stop, dim).transpose(1, 2), alpha=1.0 / math.sqrt(dim))
+        weights = logits.softmax(-1).view(batch, heads, rows, stop)
+        # outside a training loop's micro-batch (no key announced): plain dropout
+        weights = F.dropout(weights, p, training=True) if keep is None else weights * keep[..., start:stop, :stop]
+        outputs.append(weights @ v[..., :stop, :])
+    out = torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
+    return out if keep is None else out * (1.0 / (1.0 - p))
 
 
 def interval_value_sum_by_gather(weights: torch.Tensor, index: torch.Tensor, interval_values: torch.Tensor):
