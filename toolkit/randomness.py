@@ -13,6 +13,7 @@ from (seed, step, rank) before every micro-batch (`step_seed`): exact on resume,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,16 @@ def keyed_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
     state.calls += 1
     generator = torch.Generator(device=x.device).manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
     rows = x.shape[0]
-    draw = torch.rand((rows * state.world_size, *x.shape[1:]), generator=generator, device=x.device)
-    # In place, one pass: the uniform draws become the 0/1 mask (no bool tensor, no separate conversion).
-    keep = draw[state.rank * rows:(state.rank + 1) * rows].ge_(p)
-    return keep if keep.dtype == x.dtype else keep.to(x.dtype)
+    shape = (rows * state.world_size, *x.shape[1:])
+    count = math.prod(shape)
+    # 16 random bits per element, four from each 64-bit draw: half the generator's work of one float draw per
+    # element (the masks' random numbers were 13% of SASRec's step at maxlen 200). An element is dropped with
+    # probability round(p * 65536) / 65536 (p = 0.2: 0.19999695).
+    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=x.device)
+    words.random_(-(2**63), 2**63 - 1, generator=generator)
+    lanes = words.view(torch.int16)[:count].view(shape)
+    keep = lanes[state.rank * rows:(state.rank + 1) * rows] >= round(p * 65536) - 32768
+    return keep.to(x.dtype)
 
 
 def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
