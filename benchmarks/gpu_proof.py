@@ -325,7 +325,7 @@ def check_precision(proof: Proof, recipe: str, precision: str, check: Check, run
     check.detail = "; ".join(details)
 
 
-def throughput_table(proof: Proof, runs: dict) -> None:
+def throughput_table(proof: Proof, runs: dict, recipes=RECIPES) -> None:
     lines = ["Steady-state training samples/s (the last metrics.csv row of each precision run: "
              f"{proof.profile.steps} steps after as many warm-up steps), and peak memory (MB).", "",
              "| recipe | fp32 | bf16 | fp16 | bf16+compile | bf16 / fp32 | bf16+compile / bf16 | peak MB fp32 / bf16 |",
@@ -337,7 +337,7 @@ def throughput_table(proof: Proof, runs: dict) -> None:
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "-"
 
-    for recipe in RECIPES:
+    for recipe in recipes:
         cells = [f"{rate(recipe, p):,.0f}" if rate(recipe, p) else "-" for p in PRECISIONS]
         mem = [f"{(runs.get((recipe, p)) or {}).get('memory') or 0:,.0f}" for p in ("fp32", "bf16")]
         lines.append(f"| {recipe} | {' | '.join(cells)} | {ratio(rate(recipe, 'bf16'), rate(recipe, 'fp32'))} | "
@@ -345,15 +345,15 @@ def throughput_table(proof: Proof, runs: dict) -> None:
     proof.tables["throughput"] = lines
 
 
-def check_throughput(proof: Proof, runs: dict, check: Check) -> None:
-    throughput_table(proof, runs)
-    wanted = [(r, p) for r in RECIPES for p in ("fp32", "bf16", "bf16+compile")
+def check_throughput(proof: Proof, runs: dict, check: Check, recipes=RECIPES) -> None:
+    throughput_table(proof, runs, recipes)
+    wanted = [(r, p) for r in recipes for p in ("fp32", "bf16", "bf16+compile")
               if p != "bf16+compile" or r in proof.profile.compile_recipes]
     missing = [f"{r} {p}" for r, p in wanted if not (runs.get((r, p)) or {}).get("rate")]
     if missing:
         raise Failed(f"no figure for {', '.join(missing)} (their runs failed)")
     check.detail = "; ".join(f"{r}: bf16 {runs[(r, 'bf16')]['rate'] / runs[(r, 'fp32')]['rate']:.2f}x fp32"
-                             for r in RECIPES)
+                             for r in recipes)
 
 
 def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> None:
@@ -495,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the checks that would start after this many minutes (default: 20; --cpu: none)")
     parser.add_argument("--compile-all", action="store_true",
                         help="with --cpu: compile every recipe, not only the UFS MLP (minutes each on 2 cores)")
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES), metavar="RECIPE",
+                        help=f"the recipes of the precision and throughput sections ({', '.join(RECIPES)})")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
                         help=f"run only these sections ({', '.join(SECTIONS)})")
     args = parser.parse_args(argv)
@@ -521,11 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         proof.check("doctor", "python -m toolkit doctor", lambda c: check_doctor(proof, c))
     runs: dict = {}
     if wanted & {"precision", "throughput"}:
-        for recipe in RECIPES:
+        for recipe in args.recipes:
             for precision in PRECISIONS:
                 proof.check("precision", f"{recipe} {precision}",
                             lambda c, r=recipe, p=precision: check_precision(proof, r, p, c, runs))
-        proof.check("throughput", "fp32 / bf16 / bf16+compile", lambda c: check_throughput(proof, runs, c))
+        proof.check("throughput", "fp32 / bf16 / bf16+compile",
+                    lambda c: check_throughput(proof, runs, c, args.recipes))
     if "resume" in wanted:
         for recipe in profile.resume_recipes:
             for precision in profile.resume_precisions:

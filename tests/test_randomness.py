@@ -2,7 +2,7 @@
 
 import torch
 
-from toolkit.randomness import sample_negatives, step_seed
+from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform, sample_negatives, step_seed
 
 
 def _touched(num_users=6, num_items=30):
@@ -114,3 +114,17 @@ def test_reseeding_the_global_rng_draws_what_torch_manual_seed_draws():
     reseed_global_rng(1234)
     drawn = (torch.rand(5), torch.randn(3), torch.randint(0, 100, (4,)))
     assert all(a.equal(b) for a, b in zip(expected, drawn, strict=True))
+
+
+def test_keyed_hash_stays_on_the_tensor_keys_device():
+    # Found on the first GPU run: SASRec's negatives hashed (seed, ..., users on cuda, positions, attempt) and the
+    # Python int `attempt`, last, brought the hash back to the CPU. The meta device stands in for CUDA here.
+    users = torch.arange(4, device="meta").view(-1, 1)
+    positions = torch.arange(3).view(1, -1)  # a CPU tensor key, as the recipe passes it
+    for keys in [(7, 1, 0, users, positions, 5), (users, 3), (positions, users), (7, users)]:
+        assert keyed_hash(*keys).device.type == "meta", keys
+        assert keyed_uniform(*keys).device.type == "meta", keys
+    assert keyed_hash(7, 1, 0, positions, 5).device.type == "cpu"
+    assert keyed_hash(7, 1).device.type == "cpu"
+    # the values do not depend on where the keys were: CPU tensors and ints give the int version's bits
+    assert keyed_hash(7, 1, torch.tensor(2), 5).item() == keyed_hash_int(7, 1, 2, 5)

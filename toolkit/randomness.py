@@ -29,11 +29,15 @@ def _mix32(x):  # a tensor of int64, or a Python int
 
 
 def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
-    """Hash integer keys (tensors broadcast together) to uniform 32-bit values, as int64."""
-    hashed = torch.tensor(0x9E3779B9, dtype=torch.int64)
+    """Hash integer keys (tensors broadcast together) to uniform 32-bit values, as int64, on the device of the
+    tensor keys (a GPU tensor key wins over CPU ones; Python ints follow: a scalar key last must not bring the hash
+    back to the CPU, as it once did for SASRec's negatives on a GPU)."""
+    devices = [key.device for key in keys if isinstance(key, torch.Tensor)]
+    device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+    hashed = torch.tensor(0x9E3779B9, dtype=torch.int64, device=device)
     for key in keys:
-        key = torch.as_tensor(key, dtype=torch.int64)
-        hashed = _mix32(hashed.to(key.device) ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
+        key = torch.as_tensor(key, dtype=torch.int64, device=device)
+        hashed = _mix32(hashed ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
     return hashed
 
 
