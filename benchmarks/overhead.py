@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig
-from toolkit.distributed import global_mean
+from toolkit.devices import pin_memory
+from toolkit.distributed import global_mean, mean_over_processes
 from toolkit.loop import TrainingLoop
 from toolkit.randomness import keyed_uniform, sample_negatives
 from toolkit.run import start_run
@@ -66,6 +67,10 @@ def sasrec_workload(cache_dir: Path) -> Workload:
     sequences, meta = prepare_movielens("ml-100k", None, cache_dir)
     split = leave_one_out(sequences, meta, 200)
     data = UserSequences({"input": split.train_input, "target": split.train_target})
+    touched = {}
+
+    def touched_on(device):  # the recipe keeps the training items on the batches' device
+        return touched.setdefault(device, split.train_touched.to(device))
 
     def bce_sum(model, batch, epoch):
         scorer = getattr(model, "module", model)  # the recipe scores through the unwrapped model
@@ -73,7 +78,8 @@ def sasrec_workload(cache_dir: Path) -> Workload:
         hidden = model(inputs)
         positions = targets > 0
         negatives = sample_negatives(
-            split.train_touched, batch["user"], torch.arange(inputs.shape[1]), seed=0, purpose=1, epoch=epoch
+            touched_on(batch["user"].device), batch["user"], torch.arange(inputs.shape[1]), seed=0, purpose=1,
+            epoch=epoch,
         )
         logits = scorer.score_items(hidden[positions], torch.stack([targets[positions], negatives[positions]], dim=1))
         labels = torch.zeros_like(logits)
@@ -123,14 +129,14 @@ def dcrnn_workload(data_dir: Path | None, cache_dir: Path) -> Workload:
     def plain_loss(model, batch):  # the reference code's coins: one uniform draw per (window, decoder step)
         probability = sampling_probability(plain_steps[0], decay_steps)
         plain_steps[0] += 1
-        use_teacher = torch.rand(len(batch["window"]), OUTPUT_STEPS) < probability
+        use_teacher = (torch.rand(len(batch["window"]), OUTPUT_STEPS) < probability).to(batch["y"].device)
         error_sum, count = masked_mae(model, batch, use_teacher)
         return error_sum / count
 
     def recipe_loss(model, batch, loop, accelerator):
         step = loop.progress.global_step
         coins = keyed_uniform(0, 3, step, batch["window"][:, None].cpu(), torch.arange(OUTPUT_STEPS)[None, :])
-        use_teacher = coins < sampling_probability(step, decay_steps)
+        use_teacher = (coins < sampling_probability(step, decay_steps)).to(batch["y"].device)
         return global_mean(accelerator, *masked_mae(model, batch, use_teacher))
 
     return Workload(
@@ -163,7 +169,7 @@ def ufs_workload() -> Workload:
 
     def recipe_loss(model, batch, loop, accelerator):
         loss = F.mse_loss(model(batch["x"]).float(), batch["y"])  # equal per-rank batches: mean of means is global
-        return loss, accelerator.reduce(loss.detach(), reduction="mean")
+        return loss, mean_over_processes(accelerator, loss.detach())
 
     return Workload(
         data,
@@ -177,13 +183,15 @@ def ufs_workload() -> Workload:
     )
 
 
-def plain_rounds(work: Workload) -> Callable[[int], float]:
-    """The plain loop, as the teams wrote it; returns a function timing `steps` steps (seconds per step)."""
+def plain_rounds(work: Workload, device: torch.device) -> Callable[[int], float]:
+    """The plain loop, as the teams wrote it, on the device the toolkit's Accelerator chose (a GPU if there is one);
+    returns a function timing `steps` steps (seconds per step)."""
     torch.manual_seed(0)
-    model = work.make_model()
+    model = work.make_model().to(device)
     optimizer = work.make_optimizer(model)
     loader = DataLoader(
-        work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn
+        work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn,
+        pin_memory=device.type == "cuda",
     )
     running_loss = 0.0
 
@@ -192,6 +200,7 @@ def plain_rounds(work: Workload) -> Callable[[int], float]:
         done, start = 0, time.perf_counter()
         while done < steps:
             for batch in loader:
+                batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
                 optimizer.zero_grad(set_to_none=True)
                 loss = work.plain_loss(model, batch)
                 loss.backward()
@@ -202,9 +211,16 @@ def plain_rounds(work: Workload) -> Callable[[int], float]:
                 done += 1
                 if done == steps:
                     break
+        synchronize(device)
         return (time.perf_counter() - start) / steps
 
     return timed
+
+
+def synchronize(device: torch.device) -> None:
+    """A round ends when the GPU's queued work is done (each step's loss.item() waits for its own step already)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
@@ -218,12 +234,14 @@ def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
     torch.manual_seed(0)
     model = work.make_model()
     optimizer = work.make_optimizer(model)
+    pin = pin_memory(accelerator.device)
     if work.keyed_batches:
         batches = shuffled_batches(len(work.dataset), work.batch_size, seed=0, epochs=config.epochs)
-        loader = DataLoader(work.dataset, batch_sampler=batches, collate_fn=work.collate_fn)
+        loader = DataLoader(work.dataset, batch_sampler=batches, collate_fn=work.collate_fn, pin_memory=pin)
     else:
         loader = DataLoader(
-            work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn
+            work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn,
+            pin_memory=pin,
         )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loop = TrainingLoop(run, model, loader, evaluate=dict, main_metric="none")
@@ -252,8 +270,10 @@ def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loop.record_loss(value)
+        synchronize(accelerator.device)
         return (time.perf_counter() - start) / steps
 
+    timed.device = accelerator.device
     return timed
 
 
@@ -294,15 +314,17 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         toolkit_round(3)
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        cuda = [ProfilerActivity.CUDA] if toolkit_round.device.type == "cuda" else []
+        with profile(activities=[ProfilerActivity.CPU, *cuda]) as profiler:
             toolkit_round(args.profile)
         print(f"{args.recipe}: {args.profile} steps of the recipe's loop, batch {work.batch_size}, "
               f"{torch.get_num_threads()} thread(s)")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
         return
-    plain_round = plain_rounds(work)
+    plain_round = plain_rounds(work, toolkit_round.device)
     print(
-        f"{args.recipe}: batch {work.batch_size}, {torch.get_num_threads()} thread(s), {args.rounds} rounds of "
+        f"{args.recipe}: on {toolkit_round.device}, batch {work.batch_size}, {torch.get_num_threads()} thread(s), "
+        f"{args.rounds} rounds of "
         f"{steps} steps",
         flush=True,
     )

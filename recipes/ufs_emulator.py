@@ -62,6 +62,7 @@ from toolkit.data.ufs import (
     load_patterns,
     whole_batch,
 )
+from toolkit.distributed import mean_over_processes
 from toolkit.errors import UsageError, exit_on_usage_error
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import error_metrics, masked_error_sums
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            loop.record_loss(accelerator.reduce(loss.detach(), reduction="mean"))
+            loop.record_loss(mean_over_processes(accelerator, loss.detach()))
         loop.end_epoch()
 
     # ---- the best weights: validation metrics and the predicted-vs-true scatter (this recipe has no test split) -

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from conftest import run_recipe
 
-from toolkit.distributed import combine_moments, local_moments, merge_moments, std_from_moments
+from toolkit.distributed import combine_moments, local_moments, mean_over_processes, merge_moments, std_from_moments
 from toolkit.metrics import error_metrics, masked_error_sums
 
 
@@ -63,6 +63,11 @@ def test_one_process_equals_numpy_two_pass(accelerator):
     assert relative(mean, ref_mean) < 1e-12
     assert relative(std[:3], ref_std[:3]) < 1e-12
     assert ref_std[3] == 0 and std[3].item() == 1.0  # a constant field normalises by 1, not by ~0
+
+
+def test_mean_over_one_process_is_the_value_itself(accelerator):
+    value = torch.tensor(0.25)
+    assert mean_over_processes(accelerator, value) is value  # no copy, no division: every step of a 1 ms model
 
 
 def test_accurate_where_the_naive_formula_is_not():
@@ -132,7 +137,7 @@ SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from toolkit.distributed import merge_moments, std_from_moments
+    from toolkit.distributed import mean_over_processes, merge_moments, std_from_moments
     from toolkit.metrics import error_metrics, masked_error_sums
 
     out = sys.argv[1]
@@ -141,7 +146,8 @@ SCRIPT = textwrap.dedent(
     data = np.load(f"{out}/data.npz")
     x, pred, target = data["x"], data["pred"], data["target"]
     result = {"rank": rank, "num_processes": accelerator.num_processes, "world_size": dist.get_world_size(),
-              "backend": dist.get_backend(), "cases": {}}
+              "backend": dist.get_backend(), "cases": {},
+              "mean_of_ranks": mean_over_processes(accelerator, torch.tensor([rank + 1.0])).tolist()}
     for name, cut in json.load(open(f"{out}/cuts.json")).items():
         rows = slice(0, cut) if rank == 0 else slice(cut, len(x))
         count, mean, m2 = merge_moments(accelerator, torch.from_numpy(x[rows]))
@@ -173,6 +179,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path, accelerator):
         (0, 2, 2, "gloo"),
         (1, 2, 2, "gloo"),
     ]
+    assert [r["mean_of_ranks"] for r in results] == [[1.5], [1.5]]  # (1 + 2) / 2 on each rank
     ref_mean, ref_std = two_pass(x)
     ref_std[3] = 1.0  # the constant field
     count, mean, m2 = merge_moments(accelerator, torch.from_numpy(x))  # one process, all rows

@@ -25,6 +25,14 @@ def global_mean(accelerator: Accelerator, local_sum: torch.Tensor, local_count: 
     return loss, totals[0] / global_count
 
 
+def mean_over_processes(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
+    """The mean over the processes of a per-rank value (e.g. a loss logged per step). On one process the value
+    itself: Accelerate's reduce copies and divides even then, ~5 us every step of a 1 ms model."""
+    if accelerator.num_processes == 1:
+        return value
+    return accelerator.reduce(value, reduction="mean")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Per-feature mean and variance over every rank's shard (normalisation statistics), exact in float64
 # ----------------------------------------------------------------------------------------------------

@@ -89,6 +89,9 @@ class Progress:
     first_loss: float | None = None  # the first step's training loss: --max-loss-ratio compares against it
 
 
+GPU_SAMPLE_SEC = 1.0  # at most one GPU utilisation reading (NVML) a second
+
+
 @dataclass
 class _IntervalTimer:
     """Time and samples since the last metrics row (an epoch, several, or --eval-every-steps steps)."""
@@ -98,6 +101,7 @@ class _IntervalTimer:
     compute_sec: float = 0.0
     samples: int = 0
     gpu_util: list = field(default_factory=list)
+    gpu_sampled_at: float = float("-inf")
 
 
 def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) -> int:
@@ -281,8 +285,13 @@ class TrainingLoop:
             self._bar.update(1)
         if progress.global_step % cfg.log_every == 0:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
-        if torch.cuda.is_available():
-            self._timer.gpu_util.append(_gpu_utilisation())
+        if self.accelerator.device.type == "cuda":
+            # NVML averages utilisation over its own sample period (1/6 s to 1 s): one reading a second is all there
+            # is to read, and asking every step cost the step time of tiny models on the GPU
+            now = time.perf_counter()
+            if now - self._timer.gpu_sampled_at >= GPU_SAMPLE_SEC:
+                self._timer.gpu_sampled_at = now
+                self._timer.gpu_util.append(_gpu_utilisation())
         if preempted:
             self._checkpoint_requeue_and_exit()
         if stop:

@@ -112,11 +112,14 @@ class CrossEpochBatchSampler(torch.utils.data.Sampler):
         for e in epochs.unique().tolist():
             here = epochs == e
             items[here] = self.sampler.order(e)[positions[here] % self.num_items]
-        rows = items.view(len(batches), self.batch_size).tolist()
+        rows = items.view(len(batches), self.batch_size)
         if not self.with_epoch:
+            # Index tensors, not lists: a dataset's __getitems__ takes them without converting 1,000 Python ints
+            # (torch.as_tensor of a list: ~40 us a step, 3% of the UFS MLP's); indexing with them works as with ints.
             yield from rows
             return
-        for epoch_row, item_row in zip(epochs.view(len(batches), self.batch_size).tolist(), rows, strict=True):
+        for epoch_row, item_row in zip(epochs.view(len(batches), self.batch_size).tolist(), rows.tolist(),
+                                       strict=True):
             yield list(zip(epoch_row, item_row, strict=True))
 
 
