@@ -28,13 +28,18 @@ def first_step_line(stdout: str) -> tuple[str, bool]:
 
 
 @pytest.mark.slow
-def test_resumed_compiled_run_reuses_its_run_dir_cache_and_matches_an_uninterrupted_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("config", [None, "cpu_2proc.yaml"], ids=["1proc", "2proc"])
+def test_resumed_compiled_run_reuses_its_run_dir_cache_and_matches_an_uninterrupted_one(config, tmp_path,
+                                                                                       monkeypatch):
+    # 2 processes: the model is compiled before DDP wraps it (toolkit.compilation.CompilingAccelerator); Accelerate's
+    # compiled DDP wrapper compiled no graph on torch 2.13 and the line said so. The toy is an nn.Sequential, whose
+    # nn.Module.compile() compiles nothing either: the same 2 graphs must show on both counts of processes.
     # Inductor's own default (or a user's choice) would hide whether the run directory holds the cache.
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
 
-    first = run_recipe([*ARGS, "--max-steps", "3", "--output-dir", str(resumed)], recipe=TOY, env=ENV)
+    first = run_recipe([*ARGS, "--max-steps", "3", "--output-dir", str(resumed)], recipe=TOY, env=ENV, config=config)
     said, promise = first_step_line(first.stdout)
     assert said.startswith("compiling 2 graph(s); cache: cold, ") and promise, said
     assert said.endswith(str(resumed / "compile-cache")), said
@@ -43,7 +48,7 @@ def test_resumed_compiled_run_reuses_its_run_dir_cache_and_matches_an_uninterrup
     assert {"fxgraph", "aotautograd"} <= entries, entries  # the FX graph and AOTAutograd caches, on by default
 
     second = run_recipe([*ARGS, "--max-steps", "6", "--output-dir", str(resumed), "--resume-from", "auto"],
-                        recipe=TOY, env=ENV)
+                        recipe=TOY, env=ENV, config=config)
     assert "resuming from" in second.stdout and "step_3" in second.stdout
     said, promise = first_step_line(second.stdout)
     # warm = inductor's FX graph cache hit both graphs and missed none (its counters since the life started)
@@ -53,11 +58,17 @@ def test_resumed_compiled_run_reuses_its_run_dir_cache_and_matches_an_uninterrup
 
     # A fresh run directory compiles into its own cache (cold), and the lives add up to the uninterrupted run:
     # the resumed life ran the very kernels the straight run compiled (same graphs, same generated code).
-    third = run_recipe([*ARGS, "--max-steps", "6", "--output-dir", str(straight)], recipe=TOY, env=ENV)
+    third = run_recipe([*ARGS, "--max-steps", "6", "--output-dir", str(straight)], recipe=TOY, env=ENV, config=config)
     said, _ = first_step_line(third.stdout)
     assert said == f"compiling 2 graph(s); cache: cold, {straight / 'compile-cache'}", said
     step_6 = [d / "checkpoints" / "step_6" / "model.safetensors" for d in (resumed, straight)]
     assert step_6[0].read_bytes() == step_6[1].read_bytes()
+    world = 2 if config else 1
+    assert read_json(straight / "config.json")["world_sizes"] == [{"from_step": 0, "world_size": world}]
+    from safetensors import safe_open
+
+    with safe_open(str(step_6[0]), "pt") as saved:  # compiled in place: the uncompiled model's names, no _orig_mod
+        assert not [name for name in saved.keys() if "_orig_mod" in name] and "0.weight" in saved.keys()
     rows = [[line.split(",")[:4] for line in (d / "metrics.csv").read_text().splitlines()] for d in (resumed, straight)]
     assert rows[0] == rows[1] and len(rows[0]) == 3  # epoch, step, train loss, val_mse of both lives' rows
 

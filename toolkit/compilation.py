@@ -27,6 +27,9 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator
+
 CACHE_DIR = "compile-cache"
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 _chosen: str | None = None  # the cache directory this process set (a later run in the same process replaces it)
@@ -96,3 +99,33 @@ def first_step_reporter(run):
             sys.stdout.flush()
 
     return report
+
+
+class CompilingAccelerator(Accelerator):
+    """The Accelerator of a --compile run: prepare() compiles the model in place (nn.Module.compile, inductor) before
+    DDP wraps it, instead of Accelerate's dynamo_backend, which compiles the wrapper. Compiling the DDP wrapper
+    compiled nothing on torch 2.13: dynamo breaks the graph at DDP's pre-forward logging
+    (Logger.set_runtime_stats_and_log) and DDP's own frames are in its skip list, so every step ran eagerly with 2+
+    processes and said `no graph compiled`. Compiled in place, the module's forward (and its backward) is what
+    dynamo sees on any process count, DDP's gradient hooks fire on the compiled backward's gradients as on eager
+    ones, and the state_dict keeps its names (no `_orig_mod.` prefix), so a compiled run's checkpoints load into an
+    uncompiled one and back."""
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        compile_in_place(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+
+def compile_in_place(model: torch.nn.Module) -> None:
+    """nn.Module.compile() with the call traced from a frame of ours: Module.compile compiles `_call_impl` itself,
+    whose file dynamo skips, so a model whose forward is also torch's (an nn.Sequential) compiled nothing on torch
+    2.13; traced from here, `_call_impl` and every forward under it are inlined into one graph (as
+    torch._dynamo.external_utils.wrap_inline does for torch.compile(module))."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return
+
+    def call(*args, **kwargs):
+        return model._call_impl(*args, **kwargs)
+
+    model._compiled_call_impl = torch.compile(call, backend="inductor")

@@ -180,7 +180,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     handlers = [InitProcessGroupKwargs(timeout=timeout)]
     if ddp_kwargs:
         handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
-    accelerator = Accelerator(
+    accelerator = (compilation.CompilingAccelerator if config.compile else Accelerator)(
         cpu=use_cpu,
         mixed_precision=config.mixed_precision,
         gradient_accumulation_steps=config.grad_accum,
@@ -190,7 +190,6 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
         project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "tensorboard")),
         log_with=tracker_choice(config.log_with, output_dir, state.is_main_process),
         kwargs_handlers=handlers,
-        dynamo_backend="inductor" if config.compile else None,
         **(accelerator_kwargs or {}),
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
