@@ -192,3 +192,32 @@ def test_trains_under_autocast_on_either_path(dtype):
         out.float().sum().backward()
         assert torch.isfinite(out.float()).all()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_under_autocast_the_operator_is_built_once_per_dtype():
+    # bf16 autocast diffuses float32 inputs and bf16 states in turn; a one-entry cache rebuilt the operator 22 times a
+    # forward (a conversion and a host sync for its density each time: a GPU stall in every diffusion).
+    ring = np.eye(40) + np.roll(np.eye(40), 1, axis=1)
+    model = DCRNN(ring, units=4)
+    built = []
+    real_to = torch.Tensor.to
+
+    def forward_once():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 12, 40, 2), torch.randn(2, 12, 40), torch.rand(2, 12) < 0.5).float().sum().backward()
+
+    def counting_to(tensor, *args, **kwargs):
+        if tensor is model.diffusion.stacked:
+            built.append(kwargs.get("dtype"))
+        return real_to(tensor, *args, **kwargs)
+
+    forward_once()
+    first = dict(model.diffusion._cache)
+    assert sorted(str(key[1]) for key in first) == ["torch.bfloat16", "torch.float32"]
+    torch.Tensor.to = counting_to
+    try:
+        forward_once()
+    finally:
+        torch.Tensor.to = real_to
+    assert built == []  # the second forward built nothing
+    assert all(model.diffusion._cache[key][0] is first[key][0] for key in first)

@@ -113,12 +113,18 @@ class GraphDiffusion(nn.Module):
         # dtypes get them rounded once, in operator().
         stacked = torch.cat([torch.eye(nodes, dtype=torch.float64), polynomials.reshape(-1, nodes)])
         self.register_buffer("stacked", stacked, persistent=False)
-        self._cache: tuple | None = None  # (key, (matrix, transposed)) for the last device and dtype
+        # (device, dtype, ...) -> (matrix, transposed). One entry per dtype in use: under bf16 autocast a forward
+        # diffuses float32 inputs and bf16 states in turn, and a single-entry cache was rebuilt 22 times a forward
+        # (a conversion, a host sync for the density, on CPU a sparse copy each time).
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def operator(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(stacked matrix, its transpose) for `like`'s device and dtype: sparse COO tensors or dense ones."""
         key = (like.device, like.dtype, self.stacked.data_ptr(), self.stacked.device)
-        if self._cache is None or self._cache[0] != key:
+        pair = self._cache.get(key)
+        if pair is None:
+            if len(self._cache) >= 4:  # the model moved or its buffers were replaced: the old entries are stale
+                self._cache.clear()
             matrix = self.stacked.to(device=like.device, dtype=like.dtype)
             density = float((matrix != 0).float().mean())
             # sparse only on CPU in float32 / float64: CUDA's dense products are fast at these sizes, and half
@@ -127,8 +133,8 @@ class GraphDiffusion(nn.Module):
                 pair = (matrix.to_sparse().coalesce(), matrix.T.to_sparse().coalesce())
             else:
                 pair = (matrix, matrix.T)
-            self._cache = (key, pair)
-        return self._cache[1]
+            self._cache[key] = pair
+        return pair
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, B, F] -> [N * B, M * F]: x and its diffusions laid out as a linear map's input, features ordered
