@@ -221,3 +221,20 @@ def test_under_autocast_the_operator_is_built_once_per_dtype():
         torch.Tensor.to = real_to
     assert built == []  # the second forward built nothing
     assert all(model.diffusion._cache[key][0] is first[key][0] for key in first)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_compile_traces_the_whole_forward_as_one_graph(layers):
+    # --compile: the diffusion's cached operator (a data pointer in its key, a host value for its density) broke the
+    # graph at every diffusion, 28 graphs a forward, and iterating the ModuleList in a comprehension made dynamo fall
+    # back to eager for the whole forward. Dynamo's own tracing (the eager backend: no inductor, seconds) must see
+    # one graph, and the compiled forward computes what the eager one does.
+    ring = np.eye(20) + np.roll(np.eye(20), 1, axis=1)  # sparse: the eager model uses its sparse path
+    torch.manual_seed(0)
+    model = DCRNN(ring, units=4, layers=layers)
+    args = (torch.randn(2, 12, 20, 2), torch.randn(2, 12, 20), torch.rand(2, 12) < 0.5)
+    explained = torch._dynamo.explain(model)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons[:3]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)  # dense in the graph, sparse eager

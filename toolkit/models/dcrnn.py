@@ -120,6 +120,11 @@ class GraphDiffusion(nn.Module):
 
     def operator(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(stacked matrix, its transpose) for `like`'s device and dtype: sparse COO tensors or dense ones."""
+        if torch.compiler.is_compiling():
+            # Traced by --compile: dense, converted inside the graph. The cache below cannot be traced (its key reads
+            # a data pointer, the density a host value): each diffusion broke the graph, 28 graphs a forward.
+            matrix = self.stacked.to(dtype=like.dtype)
+            return matrix, matrix.T
         key = (like.device, like.dtype, self.stacked.data_ptr(), self.stacked.device)
         pair = self._cache.get(key)
         if pair is None:
@@ -256,9 +261,12 @@ class DCRNN(nn.Module):
         # the input's diffusions for every step in one product: [N, T * B, F] -> [T, N * B, M * F]
         flat_x = x.permute(2, 1, 0, 3).reshape(nodes, steps * batch, -1)
         x_parts = diffuse(flat_x).view(nodes, steps, batch, -1).transpose(0, 1).reshape(steps, nodes * batch, -1)
-        states = [x.new_zeros(nodes, batch, units) for _ in self.encoder]
-        state_parts = [x.new_zeros(nodes * batch, diffuse.matrices * units) for _ in self.encoder]  # diffused zeros
-        weights = [cell.weights() for cell in self.encoder]
+        # range(layers), not the ModuleList, in comprehensions: dynamo (torch 2.13) cannot iterate a ModuleList in a
+        # comprehension's frame and fell back to eager for this whole forward under --compile
+        layers = len(self.encoder)
+        states = [x.new_zeros(nodes, batch, units) for _ in range(layers)]
+        state_parts = [x.new_zeros(nodes * batch, diffuse.matrices * units) for _ in range(layers)]  # diffused zeros
+        weights = [self.encoder[i].weights() for i in range(layers)]
         for t in range(steps):
             inputs = x_parts[t]
             for i, cell in enumerate(self.encoder):
@@ -268,7 +276,7 @@ class DCRNN(nn.Module):
             teacher = teacher.permute(1, 2, 0)[..., None]  # [T_out, N, B, 1]
             use_teacher = use_teacher.T[:, None, :, None]  # [T_out, 1, B, 1]
         step_input = x.new_zeros(nodes, batch, self.output_dim)  # GO symbol
-        weights = [cell.weights() for cell in self.decoder]
+        weights = [self.decoder[i].weights() for i in range(layers)]
         outputs = []
         for t in range(self.horizon):
             inputs = diffuse(step_input)
