@@ -21,6 +21,25 @@ pytestmark = pytest.mark.slow
 TIMING = {"epoch_time_sec", "throughput_samples_per_sec", "data_load_time_sec", "compute_time_sec", "cpu_util_avg",
           "gpu_util_avg", "peak_memory_mb"}
 STEPS = 10  # every recipe's tiny epoch is longer: no checkpoint before the end
+# The killed life stops itself right after step 2 is logged, and the test kills it there: a kill timed from outside
+# (when 2 rows had appeared) came after the whole run had ended once the UFS MLP's steps took ~1 ms.
+STOP_AFTER_STEP_2 = """
+import os, runpy, signal, sys
+from toolkit.loop import TrainingLoop
+after_step = TrainingLoop._after_optimizer_step
+def stop_after_step_2(self, *args, **kwargs):
+    after_step(self, *args, **kwargs)
+    if self.progress.global_step == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+TrainingLoop._after_optimizer_step = stop_after_step_2
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def metrics(run_dir):
@@ -44,11 +63,12 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_the_rows_of_an_u
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_recipe([*args, "--output-dir", str(straight)], recipe=recipe)
 
-    proc = subprocess.Popen([sys.executable, recipe_script(recipe), *args, "--output-dir", str(killed)], cwd=ROOT,
-                            env=recipe_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", STOP_AFTER_STEP_2, recipe_script(recipe), *args, "--output-dir",
+                             str(killed)], cwd=ROOT, env=recipe_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while logged_steps(killed) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)  # polling a condition (rows logged), not a timed wait
+    while proc.poll() is None and not stopped(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition (the process stopped itself after step 2), not a timed wait
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert logged_steps(killed) >= 2 and checkpoint.complete_checkpoints(killed) == []  # the moment hit

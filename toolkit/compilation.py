@@ -102,14 +102,14 @@ def first_step_reporter(run):
 
 
 class CompilingAccelerator(Accelerator):
-    """The Accelerator of a --compile run: prepare() compiles the model in place (nn.Module.compile, inductor) before
-    DDP wraps it, instead of Accelerate's dynamo_backend, which compiles the wrapper. Compiling the DDP wrapper
+    """The Accelerator of a --compile run: prepare() compiles the model in place (as nn.Module.compile does; inductor)
+    before DDP wraps it, instead of Accelerate's dynamo_backend, which compiles the wrapper. Compiling the DDP wrapper
     compiled nothing on torch 2.13: dynamo breaks the graph at DDP's pre-forward logging
     (Logger.set_runtime_stats_and_log) and DDP's own frames are in its skip list, so every step ran eagerly with 2+
     processes and said `no graph compiled`. Compiled in place, the module's forward (and its backward) is what
     dynamo sees on any process count, DDP's gradient hooks fire on the compiled backward's gradients as on eager
-    ones, and the state_dict keeps its names (no `_orig_mod.` prefix), so a compiled run's checkpoints load into an
-    uncompiled one and back."""
+    ones, and the state_dict keeps its names (no `_orig_mod.` prefix): a compiled run's weights files read as an
+    uncompiled run's do (load_best, toolkit.export)."""
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
