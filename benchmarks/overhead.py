@@ -191,7 +191,7 @@ def plain_rounds(work: Workload, device: torch.device) -> Callable[[int], float]
     optimizer = work.make_optimizer(model)
     loader = DataLoader(
         work.dataset, batch_size=work.batch_size, shuffle=True, drop_last=True, collate_fn=work.collate_fn,
-        pin_memory=device.type == "cuda",
+        pin_memory=pin_memory(device),
     )
     running_loss = 0.0
 
@@ -223,8 +223,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
-    """The recipe's loop; returns a function timing `steps` steps (seconds per step)."""
+def toolkit_rounds(work: Workload, threads: int) -> tuple[Callable[[int], float], torch.device]:
+    """The recipe's loop; returns a function timing `steps` steps (seconds per step), and the Accelerator's device."""
     workdir = Path(tempfile.mkdtemp(prefix="overhead-"))
     config = TrainConfig(
         output_dir=workdir / "run", log_with="none", epochs=10_000, batch_size=work.batch_size, threads=threads
@@ -273,8 +273,7 @@ def toolkit_rounds(work: Workload, threads: int) -> Callable[[int], float]:
         synchronize(accelerator.device)
         return (time.perf_counter() - start) / steps
 
-    timed.device = accelerator.device
-    return timed
+    return timed, accelerator.device
 
 
 def main() -> None:
@@ -309,21 +308,21 @@ def main() -> None:
     else:
         work = ufs_workload()
 
-    toolkit_round = toolkit_rounds(work, threads)  # first: start_run sets the process's threads for both
+    toolkit_round, device = toolkit_rounds(work, threads)  # first: start_run sets the process's threads for both
     if args.profile:  # where the recipe's step goes (ops by self CPU time), after a warm-up
         from torch.profiler import ProfilerActivity, profile
 
         toolkit_round(3)
-        cuda = [ProfilerActivity.CUDA] if toolkit_round.device.type == "cuda" else []
+        cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
         with profile(activities=[ProfilerActivity.CPU, *cuda]) as profiler:
             toolkit_round(args.profile)
         print(f"{args.recipe}: {args.profile} steps of the recipe's loop, batch {work.batch_size}, "
               f"{torch.get_num_threads()} thread(s)")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
         return
-    plain_round = plain_rounds(work, toolkit_round.device)
+    plain_round = plain_rounds(work, device)
     print(
-        f"{args.recipe}: on {toolkit_round.device}, batch {work.batch_size}, {torch.get_num_threads()} thread(s), "
+        f"{args.recipe}: on {device}, batch {work.batch_size}, {torch.get_num_threads()} thread(s), "
         f"{args.rounds} rounds of "
         f"{steps} steps",
         flush=True,

@@ -182,7 +182,7 @@ def keyed_masks(count, shape, p):
     from toolkit import randomness
 
     randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
-    masks = [randomness.keyed_keep_mask(torch.empty(shape), p) for _ in range(count)]
+    masks = [randomness.keyed_keep_mask(shape, p) for _ in range(count)]
     randomness.end_micro_batches()
     return masks
 

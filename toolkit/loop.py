@@ -127,6 +127,7 @@ class TrainingLoop:
         self.train_loader = train_loader
         self.steps_per_epoch = math.ceil(len(train_loader) / run.config.grad_accum)
         self.accelerator = run.accelerator
+        self._reads_gpu_utilisation = self.accelerator.device.type == "cuda"
         self.config = run.config
         self.model = model
         self.evaluate_fn = evaluate
@@ -285,7 +286,7 @@ class TrainingLoop:
             self._bar.update(1)
         if progress.global_step % cfg.log_every == 0:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
-        if self.accelerator.device.type == "cuda":
+        if self._reads_gpu_utilisation:
             # NVML averages utilisation over its own sample period (1/6 s to 1 s): one reading a second is all there
             # is to read, and asking every step cost the step time of tiny models on the GPU
             now = time.perf_counter()

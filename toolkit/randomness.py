@@ -32,8 +32,7 @@ def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     """Hash integer keys (tensors broadcast together) to uniform 32-bit values, as int64, on the device of the
     tensor keys (a GPU tensor key wins over CPU ones; Python ints follow: a scalar key last must not bring the hash
     back to the CPU, as it once did for SASRec's negatives on a GPU)."""
-    devices = [key.device for key in keys if isinstance(key, torch.Tensor)]
-    device = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+    device = next((k.device for k in keys if isinstance(k, torch.Tensor) and k.device.type != "cpu"), "cpu")
     hashed = torch.tensor(0x9E3779B9, dtype=torch.int64, device=device)
     for key in keys:
         key = torch.as_tensor(key, dtype=torch.int64, device=device)
@@ -94,8 +93,9 @@ def end_micro_batches() -> None:
     _current = None
 
 
-def keyed_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
-    """The keep mask of keyed dropout for x (dim 0 = batch): 1.0 where kept, 0.0 where dropped, in x's dtype, the
+def keyed_keep_mask(shape: tuple[int, ...], p: float, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The keep mask of keyed dropout for a tensor of this shape (dim 0 = batch): 1 where kept, 0 where dropped, the
     same for a sample on any rank and any process count. None outside a loop's micro-batch (no key announced).
 
     The mask of the global micro-batch [world_size * b, ...] is drawn from a generator seeded by (seed, key, call
@@ -105,18 +105,18 @@ def keyed_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
         return None
     state = _current
     state.calls += 1
-    generator = torch.Generator(device=x.device).manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
-    rows = x.shape[0]
-    shape = (rows * state.world_size, *x.shape[1:])
+    generator = torch.Generator(device=device).manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
+    rows = shape[0]
+    shape = (rows * state.world_size, *shape[1:])
     count = math.prod(shape)
     # 16 random bits per element, four from each 64-bit draw: half the generator's work of one float draw per
     # element (the masks' random numbers were 13% of SASRec's step at maxlen 200). An element is dropped with
     # probability round(p * 65536) / 65536 (p = 0.2: 0.19999695).
-    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=x.device)
+    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
     words.random_(-(2**63), 2**63 - 1, generator=generator)
     lanes = words.view(torch.int16)[:count].view(shape)
     keep = lanes[state.rank * rows:(state.rank + 1) * rows] >= round(p * 65536) - 32768
-    return keep.to(x.dtype)
+    return keep.to(dtype)
 
 
 def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -124,7 +124,7 @@ def keyed_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Ten
     keyed_keep_mask). Outside a loop's micro-batch it is plain dropout."""
     if not training or p == 0.0:
         return x
-    keep = keyed_keep_mask(x, p)
+    keep = keyed_keep_mask(x.shape, p, device=x.device, dtype=x.dtype)
     if keep is None:
         return torch.nn.functional.dropout(x, p, training=True)
     # The 1 / (1 - p) scale goes into the mask in place: one multiplication of x forward, one backward.

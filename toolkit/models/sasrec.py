@@ -83,7 +83,8 @@ class SelfAttention(nn.Module):
         weights = logits.softmax(-1)
         scale = 1.0
         if self.training and p > 0.0:
-            keep = keyed_keep_mask(weights, p)  # as causal_attention_with_dropout: 0/1, scaled at the output
+            # as causal_attention_with_dropout: 0/1, scaled at the output
+            keep = keyed_keep_mask(weights.shape, p, device=weights.device, dtype=weights.dtype)
             weights, scale = (F.dropout(weights, p), 1.0) if keep is None else (weights * keep, 1.0 / (1.0 - p))
         interval_values = self._split(self.interval_value.weight)  # [h, span + 1, d_h]
         if weights.is_cuda and torch.are_deterministic_algorithms_enabled():
@@ -108,7 +109,7 @@ def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
       and its 1 / (1 - p) scale is applied to the L times smaller output instead of the weights.
     """
     batch, heads, length, dim = q.shape
-    keep = keyed_keep_mask(q.new_empty(()).expand(batch, heads, length, length), p)
+    keep = keyed_keep_mask((batch, heads, length, length), p, device=q.device, dtype=q.dtype)
     half = length // 2
     outputs = []
     for start, stop in ((0, half), (half, length)) if half else ((0, length),):
