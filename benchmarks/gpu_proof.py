@@ -345,15 +345,16 @@ def throughput_table(proof: Proof, runs: dict, recipes=RECIPES) -> None:
     proof.tables["throughput"] = lines
 
 
-def check_throughput(proof: Proof, runs: dict, check: Check, recipes=RECIPES) -> None:
+def check_throughput(proof: Proof, runs: dict, check: Check, recipes=RECIPES, precisions=tuple(PRECISIONS)) -> None:
     throughput_table(proof, runs, recipes)
     wanted = [(r, p) for r in recipes for p in ("fp32", "bf16", "bf16+compile")
-              if p != "bf16+compile" or r in proof.profile.compile_recipes]
+              if p in precisions and (p != "bf16+compile" or r in proof.profile.compile_recipes)]
     missing = [f"{r} {p}" for r, p in wanted if not (runs.get((r, p)) or {}).get("rate")]
     if missing:
         raise Failed(f"no figure for {', '.join(missing)} (their runs failed)")
-    check.detail = "; ".join(f"{r}: bf16 {runs[(r, 'bf16')]['rate'] / runs[(r, 'fp32')]['rate']:.2f}x fp32"
-                             for r in recipes)
+    if {"fp32", "bf16"} <= set(precisions):
+        check.detail = "; ".join(f"{r}: bf16 {runs[(r, 'bf16')]['rate'] / runs[(r, 'fp32')]['rate']:.2f}x fp32"
+                                 for r in recipes)
 
 
 def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> None:
@@ -497,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --cpu: compile every recipe, not only the UFS MLP (minutes each on 2 cores)")
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES), metavar="RECIPE",
                         help=f"the recipes of the precision and throughput sections ({', '.join(RECIPES)})")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
+                        metavar="PRECISION", help=f"the precisions of the precision section ({', '.join(PRECISIONS)})")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
                         help=f"run only these sections ({', '.join(SECTIONS)})")
     args = parser.parse_args(argv)
@@ -524,11 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict = {}
     if wanted & {"precision", "throughput"}:
         for recipe in args.recipes:
-            for precision in PRECISIONS:
+            for precision in args.precisions:
                 proof.check("precision", f"{recipe} {precision}",
                             lambda c, r=recipe, p=precision: check_precision(proof, r, p, c, runs))
         proof.check("throughput", "fp32 / bf16 / bf16+compile",
-                    lambda c: check_throughput(proof, runs, c, args.recipes))
+                    lambda c: check_throughput(proof, runs, c, args.recipes, args.precisions))
     if "resume" in wanted:
         for recipe in profile.resume_recipes:
             for precision in profile.resume_precisions:
