@@ -11,15 +11,18 @@ pytestmark = pytest.mark.slow
 # 943 users, batch 64, grad-accum 2: 14 micro-batches = 7 optimizer steps per epoch. Step 5 is mid-epoch and
 # steps 5..10 cross an epoch end (with its evaluation); dropout stays on so the RNG handling is exercised.
 RESUME = [*TINY, "--grad-accum", "2", "--dropout", "0.3", "--epochs", "3"]
+LIFE_TIMEOUT = 90
 
 
 @pytest.mark.parametrize("config", [None, "cpu_2proc.yaml"], ids=["1proc", "2proc"])
 def test_resumed_run_is_bit_identical_to_uninterrupted(config, tmp_path, movielens_cache):
+    # Each life takes ~6 s alone (2 processes on a busy 2-core machine: up to ~20 s); a wrong resume position once
+    # made the resumed life run forever, so the limit is near the normal time, not the default 600 s.
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_recipe([*RESUME, "--max-steps", "10", "--output-dir", str(straight)], config=config)
-    run_recipe([*RESUME, "--max-steps", "5", "--output-dir", str(resumed)], config=config)
+    run_recipe([*RESUME, "--max-steps", "10", "--output-dir", str(straight)], config=config, timeout=LIFE_TIMEOUT)
+    run_recipe([*RESUME, "--max-steps", "5", "--output-dir", str(resumed)], config=config, timeout=LIFE_TIMEOUT)
     second = run_recipe([*RESUME, "--max-steps", "10", "--output-dir", str(resumed), "--resume-from", "auto"],
-                        config=config)
+                        config=config, timeout=LIFE_TIMEOUT)
     assert "resuming from" in second.stdout and "step_5" in second.stdout
     a = (straight / "checkpoints" / "step_10" / "model.safetensors").read_bytes()
     b = (resumed / "checkpoints" / "step_10" / "model.safetensors").read_bytes()

@@ -114,6 +114,23 @@ def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) 
     return min(total, config.max_steps) if config.max_steps is not None else total
 
 
+def rest_of_epoch(accelerator, loader, batches_done: int):
+    """The micro-batches of the current epoch after the first `batches_done` (a resume mid-epoch): with the
+    sampler's epoch set, they are exactly the ones an uninterrupted run takes next."""
+    return accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+
+
+def require_whole_epoch(batches_done: int, batches_in_epoch: int, epoch: int) -> None:
+    """The loader ran out: it must have given the whole epoch. Short of it, end_epoch() would never close the epoch
+    and the loop would ask for the same (empty) rest of it forever; one line instead."""
+    if batches_done < batches_in_epoch:
+        raise TrainingStopped(
+            f"the training data of epoch {epoch + 1} ended after {batches_done} of its {batches_in_epoch} batches: "
+            "the resume position or the loader's length is wrong, so the run could never reach its end; the "
+            "checkpoints are kept (report this with the run's config.json)"
+        )
+
+
 class TrainingLoop:
     def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
                  higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None,
@@ -203,7 +220,7 @@ class TrainingLoop:
         """Yield this epoch's micro-batches, continuing mid-epoch after a resume; stops at --max-steps."""
         accelerator, progress, cfg, loader = self.accelerator, self.progress, self.config, self.train_loader
         loader.set_epoch(progress.epoch)  # the sampler's order is a function of (data seed, epoch)
-        iterable = accelerator.skip_first_batches(loader, progress.batches_done) if progress.batches_done else loader
+        iterable = rest_of_epoch(accelerator, loader, progress.batches_done)
         accelerator.step = 0  # Accelerate's accumulation counter: windows restart with the epoch, also on resume
         psutil.cpu_percent()  # starts the CPU-utilisation window
         if self._timer.samples == 0:  # the interval's time starts with its training, not with a save before it
@@ -214,6 +231,7 @@ class TrainingLoop:
             try:
                 batch = next(iterator)
             except StopIteration:
+                require_whole_epoch(progress.batches_done, len(loader), progress.epoch)
                 return
             compute_start = time.perf_counter()
             self._timer.data_sec += compute_start - fetch_start
