@@ -272,7 +272,9 @@ def _shared(state: PartialState, make):
 
 
 # Flags that may differ when a run is resumed: they change how long it runs, what it logs, where and how often it
-# saves, how it waits; never what a step computes. Any other change is refused.
+# saves, how it waits; never what a step computes. Any other change is refused, so a new config field is refused
+# until it is named here; naming one here needs a changed value in tests/test_resume_rule.py (RESUME_CHANGES), whose
+# resume of every recipe with all of them changed must stay bit-identical to the uninterrupted run.
 RESUMABLE_CHANGES = {
     "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
     "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
