@@ -73,6 +73,10 @@ def best_checkpoint(run_dir: Path, step: int | None = None) -> Path:
             newest = checkpoint.newest_complete(run_dir)
             if newest is None:
                 raise UsageError(f"{run_dir} has no complete checkpoint to export; train first (or give a run dir)")
+            damage = checkpoint.damage_of(newest)  # its progress.json, read next, may be the damaged file
+            if damage:
+                raise UsageError(f"{newest} is damaged ({damage}) and {run_dir} has no summary.json naming the best "
+                                 "step; give --step N of an intact checkpoint")
             step = checkpoint.read_progress(newest).get("best_step") or checkpoint.step_of(newest)
     if step is None:
         raise UsageError(f"{run_dir}/summary.json names no best step; give --step N")

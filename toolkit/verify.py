@@ -277,10 +277,11 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
             )
         elif what == "final":
             try:
-                saved = _integer(checkpoint.read_progress(path).get("global_step"))
-            except (OSError, json.JSONDecodeError):
-                saved = None
-            if saved != number:
+                progress = checkpoint.read_progress(path)
+            except (OSError, ValueError):  # not UTF-8 or not JSON: damage_of names the file (below)
+                progress = None
+            saved = _integer(progress.get("global_step")) if isinstance(progress, dict) else None
+            if progress is not None and saved != number:
                 check.problems.append(f"{path.relative_to(run_dir)}/{checkpoint.PROGRESS_FILE} says step {saved}")
     for path in checkpoint.complete_checkpoints(run_dir):
         damage = checkpoint.damage_of(path)
