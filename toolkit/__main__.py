@@ -9,6 +9,8 @@ python -m toolkit compare DIR... [--metric NAME] [--out PNG] [--csv FILE] [--mar
     one table of groups of runs that differ only by seed (mean ± std, n) and one picture of their curves
 python -m toolkit sweep RECIPE --grid KEY=V1,V2 ... --out DIR [--launcher local|slurm] [-- FLAGS FOR EVERY RUN]
     one run per combination of the grid's values, here or as one SLURM job array; again: skips finished runs
+python -m toolkit ls [DIR]
+    the recipes and their presets, each with its one-line description
 python -m toolkit launch [accelerate launch arguments]
     accelerate launch with a rendezvous timeout and one-line errors for launch failures
 """
@@ -25,7 +27,7 @@ if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     os.environ["_TOOLKIT_QUIET_LAUNCHER"] = "1"
 
-from toolkit import compare, doctor, launch, sweep, verify  # noqa: E402
+from toolkit import catalog, compare, doctor, launch, sweep, verify  # noqa: E402
 from toolkit.errors import exit_on_usage_error  # noqa: E402
 
 
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         (compare, "compare runs: mean ± std per group of seeds, one table and one picture of the curves"),
         (sweep, "run a grid of flag values over a recipe, here or as a SLURM job array"),
     ]
+    listing = commands.add_parser("ls", help="list the recipes and their presets",
+                                  description=catalog.__doc__.split("\n\n")[0])
+    catalog.add_arguments(listing)
+    listing.set_defaults(handler=catalog.main)
     for module, summary in subcommands:
         name = module.__name__.rsplit(".", 1)[-1]
         sub = commands.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0])
