@@ -59,6 +59,8 @@ class ToyConfig(TrainConfig):
     """Test hook: the training loss is multiplied by 1e7 at this step (0 = never)."""
     nan_metric_at_step: int = 0
     """Test hook: val_mse is NaN when evaluated at this step (0 = never)."""
+    plain_dropout: bool = False
+    """Test hook: torch's nn.Dropout (rank-dependent masks) instead of KeyedDropout."""
     optimizer: str = "sgd"
     epochs: int = 3
     batch_size: int = 64
@@ -122,8 +124,8 @@ def main(argv=None):
     train_loader = DataLoader(Rows(x[:split], y[:split]), batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     valid_loader = DataLoader(Rows(x[split:], y[split:]), batch_size=cfg.batch_size)
 
-    model = nn.Sequential(nn.Linear(cfg.features + 1, cfg.hidden), nn.Tanh(), KeyedDropout(cfg.dropout),
-                          nn.Linear(cfg.hidden, 1))
+    dropout = nn.Dropout(cfg.dropout) if cfg.plain_dropout else KeyedDropout(cfg.dropout)
+    model = nn.Sequential(nn.Linear(cfg.features + 1, cfg.hidden), nn.Tanh(), dropout, nn.Linear(cfg.hidden, 1))
     optimizer = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(model.parameters(), lr=cfg.lr)
     model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
     print(f"rank {accelerator.process_index}: ddp broadcast_buffers="

@@ -165,6 +165,9 @@ class TrainingLoop:
         self._test_metrics: dict = {}
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
+        plain_dropout = randomness.rank_dependent_dropout_line(model)
+        if plain_dropout:
+            run.print(plain_dropout)
 
     # ---- start: take the run directory, resume ----------------------------------------------------------------
     def start(self) -> None:
