@@ -59,3 +59,20 @@ def test_without_the_flag_the_launcher_decides(tmp_path):
     assert threads_seen(result.stderr) == {0: 1}
     recorded = read_json(out / "config.json")
     assert recorded["config"]["threads"] == 0 and recorded["threads"] == 1
+
+
+def test_torch_imported_before_toolkit_is_said_once_with_several_threads(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import recipe_env
+
+    late = ("import torch, toolkit, os; from toolkit import openmp; print(os.environ.get('OMP_WAIT_POLICY')); "
+            "print(openmp.wait_policy_line(2)); print(openmp.wait_policy_line(1))")
+    for env, expected in (({"TOOLKIT_LOADAVG": BUSY}, "threads: 2; torch was imported before toolkit"),
+                          ({"TOOLKIT_LOADAVG": BUSY, "OMP_WAIT_POLICY": "PASSIVE"}, "None")):
+        done = subprocess.run([sys.executable, "-c", late], env=recipe_env(env), capture_output=True, text=True,
+                              check=True)
+        policy, two, one = done.stdout.splitlines()
+        assert policy == env.get("OMP_WAIT_POLICY", "None")  # too late to set: not set
+        assert two.startswith(expected) and one == "None", done.stdout

@@ -22,6 +22,7 @@ import sys
 
 VARIABLE = "OMP_WAIT_POLICY"
 _reason: str | None = None  # why this process chose PASSIVE (None: it chose nothing)
+_too_late = False  # torch was imported before toolkit: the policy could not be chosen
 
 
 def _machine() -> tuple[float, int, int]:
@@ -35,8 +36,11 @@ def _machine() -> tuple[float, int, int]:
 
 def prefer_passive_wait() -> None:
     """PASSIVE when the machine is busy, before torch (and its OpenMP runtime) is loaded; the user's value stays."""
-    global _reason
-    if VARIABLE in os.environ or "torch" in sys.modules:
+    global _reason, _too_late
+    if VARIABLE in os.environ:
+        return
+    if "torch" in sys.modules:  # its OpenMP runtime is loaded and has read the variable already: nothing can change
+        _too_late = True
         return
     try:
         load, running, cpus = _machine()
@@ -50,7 +54,13 @@ def prefer_passive_wait() -> None:
 
 def wait_policy_line(threads: int) -> str | None:
     """One line for the run's start when this process runs several OpenMP threads under the policy chosen here."""
-    if _reason is None or threads <= 1:
+    if threads <= 1:
+        return None
+    if _too_late:
+        return (f"threads: {threads}; torch was imported before toolkit, so OpenMP's wait policy could not be chosen "
+                f"for this machine's load (spinning threads stall on a busy machine): import toolkit first, or export "
+                f"{VARIABLE}")
+    if _reason is None:
         return None
     return (f"threads: {threads}, with {VARIABLE}=PASSIVE set by the toolkit ({_reason}: other jobs hold cores, and "
             f"OpenMP's spin-wait would stall every parallel region); export {VARIABLE} to choose yourself")
