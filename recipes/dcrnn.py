@@ -123,6 +123,14 @@ def check(cfg: DCRNNConfig) -> None:
         raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
 
 
+def masked_mae(scaled_prediction: torch.Tensor, truth: torch.Tensor, scaler, accelerator):
+    """The objective trained on: MAE in mph over the readings present (0 = missing), meaned over the GLOBAL batch."""
+    predicted = scaler.inverse(scaled_prediction.float())
+    observed = truth > 0  # missing readings are 0: left out of the loss
+    error_sum = torch.where(observed, (predicted - truth).abs(), torch.zeros_like(predicted)).sum()
+    return global_mean(accelerator, error_sum, observed.sum())  # (loss to backpropagate, its value)
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
@@ -214,10 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cfg.seed, TEACHER_COINS, step, batch["window"][:, None].cpu(), torch.arange(OUTPUT_STEPS)[None, :]
             )
             use_teacher = (coins < sampling_probability(step, cfg.sampling_decay_steps)).to(truth.device)
-        predicted = scaler.inverse(model(batch["x"], scaler.transform(truth), use_teacher).float())
-        observed = truth > 0  # missing readings are 0: left out of the loss
-        error_sum = torch.where(observed, (predicted - truth).abs(), torch.zeros_like(predicted)).sum()
-        return global_mean(accelerator, error_sum, observed.sum())  # masked MAE in mph over the GLOBAL batch
+        return masked_mae(model(batch["x"], scaler.transform(truth), use_teacher), truth, scaler, accelerator)
 
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
     loop.start()

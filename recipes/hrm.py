@@ -252,6 +252,11 @@ class MetricSums:
         self.sums = dict(saved["sums"])
 
 
+def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) -> torch.Tensor:
+    """What each rank backpropagates: DDP's average over ranks of it is the gradient of the GLOBAL batch's mean row."""
+    return rank_sum * (num_processes / batch_size)  # rank_sum: act_losses' total over this rank's rows
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
@@ -352,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
                     outputs = model(state, data, explore_key=(cfg.seed, EXPLORATION, step))
                     loss, sums = act_losses(outputs, cfg.loss)
                 # DDP averages over ranks: this makes the gradient that of (sum over the global batch) / batch size.
-                accelerator.backward(loss * (accelerator.num_processes / cfg.batch_size))
+                accelerator.backward(per_row_loss(loss, accelerator.num_processes, cfg.batch_size))
                 if cfg.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()

@@ -133,6 +133,24 @@ def check(cfg: SASRecConfig) -> None:
         raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
 
 
+def next_item_loss(
+    scorer: SASRec, hidden: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor | None, accelerator
+):
+    """The objective trained on: per target (0 = padding, left out) BCE vs its negative, or CE over all items (None)."""
+    positions = targets > 0
+    if negatives is not None:
+        candidates = torch.stack([targets[positions], negatives[positions]], dim=1)
+        logits = scorer.score_items(hidden[positions], candidates)
+        labels = torch.zeros_like(logits)
+        labels[:, 0] = 1.0
+        per_item = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").sum(dim=1)
+    else:
+        logits = scorer.score_all(hidden[positions]).float()
+        logits[:, 0] = float("-inf")  # padding is never a prediction
+        per_item = F.cross_entropy(logits, targets[positions], reduction="none")
+    return global_mean(accelerator, per_item.sum(), positions.sum())  # mean over the GLOBAL batch's targets
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
@@ -214,20 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     def training_loss(batch):
         inputs, targets = batch["input"], batch["target"]
         hidden = model(inputs, batch["time"] if time_aware else None)
-        positions = targets > 0
+        negatives = None
         if cfg.loss == "bce":
             negatives = sample_negatives(train_touched, batch["user"], torch.arange(inputs.shape[1]), seed=cfg.seed,
                                          purpose=TRAIN_NEGATIVES, epoch=loop.progress.epoch)
-            candidates = torch.stack([targets[positions], negatives[positions]], dim=1)
-            logits = scorer.score_items(hidden[positions], candidates)
-            labels = torch.zeros_like(logits)
-            labels[:, 0] = 1.0
-            per_item = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").sum(dim=1)
-        else:
-            logits = scorer.score_all(hidden[positions]).float()
-            logits[:, 0] = float("-inf")  # padding is never a prediction
-            per_item = F.cross_entropy(logits, targets[positions], reduction="none")
-        return global_mean(accelerator, per_item.sum(), positions.sum())
+        return next_item_loss(scorer, hidden, targets, negatives, accelerator)
 
     def ranking_metrics(loader, prefix):
         sampled_ranks, full_ranks = [], []

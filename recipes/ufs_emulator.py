@@ -58,6 +58,7 @@ from toolkit.data.ufs import (
     DEFAULT_OUTPUTS,
     FORMAT_VERSION,
     PatternRows,
+    UfsPatterns,
     describe_variables,
     load_patterns,
     whole_batch,
@@ -232,6 +233,16 @@ def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tens
     plt.close(fig)
 
 
+def training_rows(model: UfsEmulator, patterns: UfsPatterns) -> dict[str, torch.Tensor]:
+    """The training patterns as the network sees them: inputs and targets normalised by the training statistics."""
+    return {"x": model.normalise_inputs(patterns.train_inputs), "y": model.normalise_outputs(patterns.train_targets)}
+
+
+def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The objective trained on: MSE in normalised space, so every output counts in units of its training std."""
+    return F.mse_loss(out.float(), target)  # equal per-rank batches: the mean of means is global
+
+
 @exit_on_usage_error
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
@@ -301,10 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         hidden=cfg.hidden,
         layers=cfg.layers,
     )
-    train_set = PatternRows(
-        {"x": model.normalise_inputs(patterns.train_inputs), "y": model.normalise_outputs(patterns.train_targets)},
-        index_name="pattern",
-    )
+    train_set = PatternRows(training_rows(model, patterns), index_name="pattern")
     valid_set = PatternRows(
         {
             "x": model.normalise_inputs(patterns.valid_inputs),
@@ -397,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     out = model(batch["x"])
-                loss = F.mse_loss(out.float(), batch["y"])  # equal per-rank batches: the mean of means is global
+                loss = normalised_mse(out, batch["y"])
                 accelerator.backward(loss)
                 if cfg.max_grad_norm and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
