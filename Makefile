@@ -6,13 +6,13 @@ TORCH_VERSION ?= 2.13.0
 # Parallel test workers (the suite's multi-process tests already use 2 processes each).
 TEST_WORKERS ?= 2
 
-.PHONY: install cpp-tools run test lint format bench clean
+.PHONY: install cpp-tools run test lint format bench mutations clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU build where no GPU is present (see README, "Install")
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
 	touch $@
 
 install: $(BIN)/.installed
@@ -35,6 +35,10 @@ test: install cpp-tools
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check toolkit recipes tests benchmarks
+
+# Small deliberate bugs, one at a time in a temporary copy, against the tests meant to catch each (not part of test).
+mutations: install
+	$(BIN)/python tests/mutations.py
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

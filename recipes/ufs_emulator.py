@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from toolkit import extras
 from toolkit.config import TrainConfig, parse_config, require_at_least
 from toolkit.data.cache import file_fingerprint
 from toolkit.data.ufs import (
@@ -215,10 +216,7 @@ class EarlyStopping:
 
 
 def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tensor, names, units, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()
 
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4.2), squeeze=False)
     for k, (ax, name) in enumerate(zip(axes[0], names, strict=True)):

@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit import extras
 from toolkit.errors import UsageError
 
 PICTURE = "compare.png"
@@ -196,10 +197,7 @@ def as_csv(table: Comparison) -> str:
 
 def plot(table: Comparison, out: Path) -> None:
     """Per group: the mean of the main metric at each evaluation step over its runs, and a min..max band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for label, members in table.groups.items():
@@ -249,8 +247,11 @@ def main(args: argparse.Namespace) -> int:
     print(as_text(table))
     out = args.out or (args.dirs[0] / PICTURE if len(args.dirs) == 1 and len(paths) > 1 else None)
     if out is not None:
-        plot(table, out)
-        print(f"wrote {out}")
+        try:
+            plot(table, out)
+            print(f"wrote {out}")
+        except extras.MissingExtra as missing:  # the table above is the result; the picture is a convenience
+            print(f"{out} not drawn: {missing}")
     for path, render in ((args.csv, as_csv), (args.markdown, as_markdown)):
         if path is not None:
             path.write_text(render(table))

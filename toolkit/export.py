@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from toolkit import checkpoint
+from toolkit import checkpoint, extras
 from toolkit.errors import UsageError, exit_on_usage_error
 
 FILL_VALUE = 1.0e30  # CICE's spval: what its history files hold outside the ocean
@@ -246,8 +246,7 @@ def predict_netcdf(
 ) -> dict:
     """Predictions and Jacobian on every domain cell of `data`, written to `out` on its grid (see the module's
     docstring); returns a summary (cells, model, out)."""
-    import xarray as xr
-
+    xr = extras.xarray()
     from toolkit.data.ufs import grid_field, open_dataset, read_shard, require_variables, select_patterns
 
     data, out = Path(data).expanduser(), Path(out).expanduser()

@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint, compilation, preemption, randomness, shutdown
+from toolkit import checkpoint, compilation, extras, preemption, randomness, shutdown
 from toolkit.errors import UsageError
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
@@ -523,6 +523,8 @@ class TrainingLoop:
             try:
                 write_json(run.output_dir / SUMMARY_FILE, summary)
                 plot_curves(run.output_dir, self.main_metric)
+            except extras.MissingExtra as missing:  # the plot is a convenience: the run's results stand
+                run.print(f"curves.png not drawn: {missing}")
             except OSError as error:
                 raise checkpoint.disk_error(error, run.output_dir) from None
         if self._test_metrics:

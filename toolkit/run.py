@@ -38,7 +38,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, compilation, openmp, orphans, precision, preemption, shutdown
+from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown
 from toolkit.config import TrainConfig
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -94,16 +94,20 @@ class Run:
         """Print on the main process only."""
         self.accelerator.print(*args, flush=True)
 
-    def write_artifact(self, name: str, write) -> Path:
+    def write_artifact(self, name: str, write) -> Path | None:
         """RUN_DIR/name written by the main process only (a plot, an export): write(path) is called there with a
         temporary sibling path, renamed to `name` when it returns, so a reader never sees half a file. Compute
-        what it needs on every rank first (gathers are collectives); the other ranks only get the path."""
+        what it needs on every rank first (gathers are collectives); the other ranks only get the path. None when
+        an optional package it needs is missing (one line names the pip command; the run's results stand)."""
         path = self.output_dir / name
         if self.is_main:
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial{path.suffix}")
             try:
                 write(partial)
                 partial.replace(path)
+            except extras.MissingExtra as missing:
+                self.print(f"{name} not written: {missing}")
+                return None
             except OSError as error:  # a full disk: one line naming it
                 raise checkpoint.disk_error(error, path) from None
             finally:

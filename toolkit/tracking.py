@@ -14,6 +14,7 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
+from toolkit import extras
 from toolkit.errors import UsageError
 
 METRICS_FILE = "metrics.csv"
@@ -149,10 +150,7 @@ def plot_curves(run_dir: Path, main_metric: str) -> Path | None:
     rows = MetricsFile(run_dir).rows()
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()
 
     def series(name):
         points = [(int(r["step"]), float(r[name])) for r in rows if r.get(name) not in ("", None)]

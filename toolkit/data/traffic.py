@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from toolkit import extras
 from toolkit.data.cache import cached_dataset, file_fingerprint
 from toolkit.errors import UsageError
 from toolkit.metrics import masked_error_sums
@@ -73,6 +74,7 @@ def read_speeds(path: Path, max_speed: float = MAX_SPEED) -> pd.DataFrame:
     like METR-LA's own zeros). Speeds above max_speed (mph), negative or infinite ones, and a table without a single
     reading are refused."""
     path = Path(path)
+    extras.require("traffic")  # pandas reads HDF5 through PyTables
     try:
         with pd.HDFStore(path, mode="r") as store:
             keys = store.keys()
@@ -489,6 +491,7 @@ def write_dataset(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     speeds_path, adjacency_path = out / speeds_name, out / "adj_mx.pkl"
+    extras.require("traffic")
     frame.to_hdf(speeds_path, key=SPEEDS_KEY, mode="w")
     with open(adjacency_path, "wb") as handle:
         pickle.dump(

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from toolkit import extras
 from toolkit.data.rows import TensorRows
 from toolkit.errors import UsageError, exit_on_usage_error
 from toolkit.randomness import keyed_uniform
@@ -118,7 +119,7 @@ ATMOSPHERE_FIELDS = ("tair", "uatm", "vatm", "qref", "flwdn", "fswdn")  # what t
 
 def open_dataset(path: Path | str, flag: str = "--data"):
     """The file as an xarray Dataset (lazy: values are read when indexed); `flag` names it in errors."""
-    import xarray as xr
+    xr = extras.xarray()
 
     path = Path(path).expanduser()
     if not path.is_file():
@@ -422,7 +423,7 @@ def select_patterns(
 def read_shard(ds, path, names, cells: np.ndarray, rank: int, world: int) -> np.ndarray:
     """[len(cells[rank::world]), len(names)] float64: this rank's strided share of the patterns (seed 001's
     `for i in range(rank, n, size)`), read by point indexing so only those cells' values are taken."""
-    import xarray as xr
+    xr = extras.xarray()
 
     mine = cells[rank::world]
     columns = []
@@ -722,7 +723,7 @@ def synthesize(
     fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON; the rest stay in `out`."""
     if naming not in ("ours", "cice"):
         raise UsageError(f"--naming {naming} is invalid; give ours or cice")
-    import xarray as xr
+    xr = extras.xarray()
     from tqdm.auto import tqdm
 
     out = Path(out).expanduser()
