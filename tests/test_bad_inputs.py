@@ -1,9 +1,16 @@
 """Bad input: one `error:` line naming the flag/path/value, exit status 2, nothing trained or written."""
 
+import dataclasses
+import importlib.util
 import shutil
+import sys
+import types
+import typing
+from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_refused, run_recipe
+import tyro
+from conftest import ROOT, TINY, assert_refused, run_recipe
 
 from toolkit import checkpoint
 
@@ -21,10 +28,12 @@ def _fails_with(result, *fragments):
 
 def _file(name, content):
     """A data file the case writes into its own directory."""
+
     def make(case_dir):
         path = case_dir / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         return str(path)
+
     return make
 
 
@@ -46,8 +55,11 @@ BAD_INPUTS = [
     ("batch-zero", ["--batch-size", "0"], ["--batch-size", "0"]),
     ("batch-text", ["--batch-size", "abc"], ["--batch-size", "abc"]),
     ("batch-per-process-zero", ["--batch-per-process", "0"], ["--batch-per-process 0", "positive"]),
-    ("batch-size-and-batch-per-process", ["--batch-per-process", "8"], ["--batch-size", "--batch-per-process",
-                                                                       "not both"]),
+    (
+        "batch-size-and-batch-per-process",
+        ["--batch-per-process", "8"],
+        ["--batch-size", "--batch-per-process", "not both"],
+    ),
     ("batch-larger-than-data", ["--batch-size", "4096"], ["--batch-size 4096", "training users"]),
     ("epochs-zero", ["--epochs", "0"], ["--epochs", "0"]),
     ("grad-accum-zero", ["--grad-accum", "0"], ["--grad-accum", "0"]),
@@ -80,7 +92,11 @@ BAD_INPUTS = [
     ("dist-timeout-zero", ["--dist-timeout", "0"], ["--dist-timeout", "0"]),
     ("max-grad-norm-negative", ["--max-grad-norm", "-1"], ["--max-grad-norm", "-1"]),
     ("max-requeues-negative", ["--max-requeues", "-1"], ["--max-requeues", "-1"]),
-    ("fp16-on-cpu", ["--mixed-precision", "fp16"], ["fp16", "bf16"]),
+    ("fp16-on-cpu", ["--mixed-precision", "fp16"], ["--mixed-precision fp16", "bf16"]),
+    ("max-loss-ratio-one", ["--max-loss-ratio", "1"], ["--max-loss-ratio 1.0", "> 1"]),
+    ("optimizer", ["--optimizer", "lamb"], ["lamb", "--optimizer"]),
+    ("preset", ["--preset", "ml-25m"], ["--preset ml-25m", "unknown"]),
+    ("cache-dir-is-a-file", ["--cache-dir", _file("taken", "a file")], ["--cache-dir", "not a writable directory"]),
     ("tracker", ["--log-with", "mlflow"], ["--log-with", "mlflow"]),
     ("unknown-flag", ["--no-such-flag", "1"], ["--no-such-flag"]),
     ("output-dir-empty", ["--output-dir", ""], ["--output-dir", "current directory"]),
@@ -96,10 +112,12 @@ BAD_INPUTS = [
     ("data-text", ["--data-path", _file("notes.txt", "these are my notes\nnot ratings\n")], ["notes.txt"]),
     ("data-malformed", ["--data-path", _file("u.data", GOOD_ROWS + "7\t8\n")], ["u.data"]),
     ("data-two-rows", ["--data-path", _file("u.data", "1\t1\t5\t100\n1\t2\t5\t200\n")], ["u.data"]),
-    ("data-user-not-a-number", ["--data-path", _file("u.data", GOOD_ROWS + "bob\t3\t4\t5000\n" + GOOD_ROWS)],
-     ["u.data", "line 146"]),
-    ("data-negative-item", ["--data-path", _file("u.data", GOOD_ROWS + "3\t-4\t4\t5000\n")],
-     ["u.data", "line 146"]),
+    (
+        "data-user-not-a-number",
+        ["--data-path", _file("u.data", GOOD_ROWS + "bob\t3\t4\t5000\n" + GOOD_ROWS)],
+        ["u.data", "line 146"],
+    ),
+    ("data-negative-item", ["--data-path", _file("u.data", GOOD_ROWS + "3\t-4\t4\t5000\n")], ["u.data", "line 146"]),
 ]
 
 
@@ -110,14 +128,61 @@ def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, tmp_
     assert_refused([*TINY, *output, *flags], fragments, case_dir=tmp_path)
 
 
+_SUPPRESSED = typing.get_args(tyro.conf.Suppress[int])[1]  # tyro's marker: a field that is not a flag
+
+
+def _takes_a_checkable_value(hint) -> bool:
+    """A path, a number or a choice (Literal); not a switch (bool) or free text (str: a run name, a W&B project)."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _SUPPRESSED not in typing.get_args(hint)[1:] and _takes_a_checkable_value(typing.get_args(hint)[0])
+    if typing.get_origin(hint) in (typing.Union, types.UnionType, tuple):
+        return any(_takes_a_checkable_value(arg) for arg in typing.get_args(hint) if arg not in (type(None), ...))
+    if typing.get_origin(hint) is typing.Literal:
+        return True
+    return hint is not bool and isinstance(hint, type) and issubclass(hint, (Path, int, float))
+
+
+def _flags_of(recipe: str) -> dict[str, bool]:
+    """{--flag: whether it takes a path, number or choice} for recipes/<recipe>.py's config dataclass (TrainConfig's
+    shared flags included), and its --preset NAME (a choice, not a field)."""
+    spec = importlib.util.spec_from_file_location(f"_{recipe}_recipe", ROOT / "recipes" / f"{recipe}.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # dataclasses look it up
+    spec.loader.exec_module(module)
+    config_class = type(next(iter(module.PRESETS.values()))[1])
+    hints = typing.get_type_hints(config_class, include_extras=True)
+    flags = {
+        "--" + field.name.replace("_", "-"): _takes_a_checkable_value(hints[field.name])
+        for field in dataclasses.fields(config_class)
+        if _SUPPRESSED not in typing.get_args(hints[field.name])[1:]
+    }
+    return {**flags, "--preset": len(module.PRESETS) > 1}
+
+
 def test_the_table_is_long_enough():
-    assert len(BAD_INPUTS) >= 40
+    """Every SASRec flag that takes a path, a number or a choice has a case that passes it a bad value and expects the
+    error line to name it; and every flag the table passes exists (a renamed flag leaves no stale case behind)."""
+    flags = _flags_of("sasrec")
+    assert {"--lr", "--seed", "--output-dir", "--resume-from", "--variant", "--data-path", "--preset"} <= {
+        flag for flag, checkable in flags.items() if checkable
+    }  # the enumeration itself sees all three kinds
+    assert not flags["--run-name"] and not flags["--compile"]  # free text and switches have no bad value
+    covered = {
+        arg
+        for _, case_flags, fragments in BAD_INPUTS
+        for arg in case_flags
+        if isinstance(arg, str) and any(fragment.startswith(arg) for fragment in fragments)
+    }
+    uncovered = sorted(flag for flag, checkable in flags.items() if checkable and flag not in covered)
+    assert uncovered == [], "no bad-input case passes these flags a bad value and expects the error to name them"
+    passed = {
+        arg for _, case_flags, _ in BAD_INPUTS for arg in case_flags if isinstance(arg, str) and arg.startswith("--")
+    }
+    assert passed - set(flags) == {"--no-such-flag"}
 
 
 def test_batch_not_divisible_by_process_count(tmp_path):
     out = tmp_path / "run"
-    result = run_recipe([*TINY, "--batch-size", "63", "--output-dir", str(out)], config="cpu_2proc.yaml",
-                        check=False)
+    result = run_recipe([*TINY, "--batch-size", "63", "--output-dir", str(out)], config="cpu_2proc.yaml", check=False)
     assert result.returncode != 0
     assert "error: --batch-size 63 is not divisible by the 2 processes" in result.stderr
     assert not (out / "checkpoints").exists()
@@ -133,8 +198,9 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_interrupted_checkpoint_is_ignored_by_auto_and_rejected_by_path(tmp_path, movielens_cache):
     out = tmp_path / "run"
-    run_recipe([*TINY, "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "5",
-                "--output-dir", str(out)])
+    run_recipe(
+        [*TINY, "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "5", "--output-dir", str(out)]
+    )
     interrupted = out / "checkpoints" / "step_4"
     (interrupted / "COMPLETE").unlink()  # as if the process died while saving step 4
     result = run_recipe([*TINY, "--resume-from", str(interrupted)], check=False)

@@ -202,17 +202,57 @@ BAD_INPUTS = [
 def test_bad_input_is_one_line_exit_2_and_nothing_created(flags, fragments, synth_data, tmp_path):
     flags = [flag(tmp_path) if callable(flag) else flag for flag in flags]
     data = [] if "--data" in flags or flags == [] else ["--data", str(synth_data)]
-    assert_refused([*TINY_DCRNN, *data, *flags, "--output-dir", str(tmp_path / "run")], fragments, recipe="dcrnn",
-                   case_dir=tmp_path)
+    assert_refused(
+        [*TINY_DCRNN, *data, *flags, "--output-dir", str(tmp_path / "run")],
+        fragments,
+        recipe="dcrnn",
+        case_dir=tmp_path,
+    )
 
 
 # ---- the 2-node CPU sbatch job on the local SLURM cluster ------------------------------------------------------
 
 
+# SGD (DCRNN has no dropout): the 2-node job's 2 x 16 windows a step must train exactly as one process's 32.
+TWO_NODES = args(
+    "--optimizer", "sgd", "--lr", "0.05", "--max-steps", "4", "--eval-every-steps", "2", "--log-with", "csv",
+    "--log-every", "1",
+)  # fmt: skip
+
+
+def assert_trained_as_one_process(run_dir, reference, synth_data):
+    """run_dir, a 2-process run of TWO_NODES, against reference, the same flags in one process: world size 2 in
+    every record, the same global batch, the same losses and final weights, every test window scored once."""
+    runs = {2: run_dir, 1: reference}
+    for world_size, run in runs.items():
+        config, summary = read_json(run / "config.json"), read_json(run / "summary.json")
+        assert (config["world_size"], config["num_machines"], summary["world_size"]) == (world_size,) * 3
+        assert config["config"]["batch_size"] == 32  # the global batch: 16 windows a process on 2
+        assert {row["world_size"] for row in csv.DictReader(open(run / "metrics.csv"))} == {str(world_size)}
+        assert summary["global_step"] == 4
+        assert summary["test_metrics_at_best"]["test_readings"] == readings_by_hand(synth_data)
+    l2, l1 = logged_losses(run_dir), logged_losses(reference)
+    assert sorted(l2) == sorted(l1) == [1, 2, 3, 4]
+    worst = max(abs(l2[s] - l1[s]) / abs(l1[s]) for s in l1)
+    assert worst < 1e-5, (worst, l1, l2)
+    w2, w1 = final_weights(run_dir, 4), final_weights(reference, 4)
+    assert sorted(w2) == sorted(w1)
+    worst = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    assert worst < 1e-5, worst
+    assert any(not torch.equal(w1[k], w) for k, w in final_weights(reference, 2).items())  # the weights moved
+    s2, s1 = (read_json(run / "summary.json")["test_metrics_at_best"] for run in (run_dir, reference))
+    assert s2.keys() == s1.keys()
+    for key, value in s1.items():
+        assert s2[key] == pytest.approx(value, rel=1e-4), key
+
+
 @pytest.mark.slurm
 @pytest.mark.xdist_group("slurm")
 def test_two_node_cpu_sbatch_run_of_dcrnn_verifies(slurm_env, synth_data, tmp_path):
-    run_dir = sbatch_cpu_run(slurm_env, ["recipes/dcrnn.py", *args("--max-steps", "4", "--eval-every-steps", "2")],
-                             tmp_path)
-    summary = read_json(run_dir / "summary.json")
-    assert summary["global_step"] == 4 and summary["test_metrics_at_best"]["test_readings"] > 0
+    run_dir = sbatch_cpu_run(slurm_env, ["recipes/dcrnn.py", *TWO_NODES], tmp_path)
+    logs = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
+    assert ranks_seen(logs) == {(0, 2), (1, 2)}  # one process per node, each saw world size 2
+    reference = tmp_path / "one"
+    one = run_recipe([*TWO_NODES, "--output-dir", str(reference)], recipe="dcrnn", config="cpu.yaml")
+    assert ranks_seen(one.stderr) == {(0, 1)}
+    assert_trained_as_one_process(run_dir, reference, synth_data)

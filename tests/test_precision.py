@@ -1,9 +1,11 @@
 """bf16 on a CPU without bf16 instructions: one warning line with the cost measured on this machine."""
 
-import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import TOY, run_recipe
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import precision
 
@@ -14,23 +16,47 @@ ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 ARM_OLD = "processor\t: 0\nFeatures\t: fp asimd evtstrm crc32\n"
 
 
-@pytest.mark.parametrize("cpuinfo, native", [(X86_AVX2, False), (X86_AVX512_BF16, True), (X86_AMX, True),
-                                              (ARM_BF16, True), (ARM_OLD, False), ("", False)])
+@pytest.mark.parametrize(
+    "cpuinfo, native",
+    [(X86_AVX2, False), (X86_AVX512_BF16, True), (X86_AMX, True), (ARM_BF16, True), (ARM_OLD, False), ("", False)],
+)
 def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, native):
     assert precision.has_native_bf16(cpuinfo) is native
 
 
-def test_the_measured_cost_is_a_ratio_of_two_real_timings():
-    cost = precision.bf16_matmul_cost(size=64, repeats=3)
-    assert math.isfinite(cost) and cost > 0
+def test_the_measured_cost_is_a_ratio_of_two_real_timings(monkeypatch):
+    # A stand-in clock that only the matmuls move: the n-th matmul (seen below autocast, with the dtype it really ran
+    # in) takes SCRIPT[n] seconds. Each run: one untimed warm-up, then `repeats` timed ones; the cost is the best
+    # bf16 time over the best fp32 time. The script's best times are not its means, first or last, and the warm-ups
+    # are the fastest of all, so a cost from any other reading, or a timed warm-up, gives another number.
+    script = [0.01, 0.5, 0.3, 0.4, 0.01, 0.12, 0.2, 0.1]  # bf16: warm-up, 3 timed; fp32: warm-up, 3 timed
+    now, ran = [0.0], []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                now[0] += script[len(ran)]
+                ran.append((args[0].dtype, args[1].dtype, tuple(out.shape)))
+            return out
+
+    monkeypatch.setattr(precision, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    with Matmuls():
+        cost = precision.bf16_matmul_cost(size=64, repeats=3)
+    bf16, fp32 = (torch.bfloat16, torch.bfloat16, (64, 64)), (torch.float32, torch.float32, (64, 64))
+    assert ran == [bf16] * 4 + [fp32] * 4  # both timings are real matmuls: the first under bf16 autocast
+    assert cost == pytest.approx(min(script[1:4]) / min(script[5:8]), rel=1e-12)  # 0.3 / 0.1
 
 
 @pytest.mark.parametrize("cpuinfo, warned", [(X86_AVX2, True), (X86_AVX512_BF16, False)], ids=["avx2", "avx512-bf16"])
 def test_a_bf16_run_on_a_cpu_without_bf16_says_what_it_costs_once(cpuinfo, warned, tmp_path):
     (tmp_path / "cpuinfo").write_text(cpuinfo)
-    result = run_recipe(["--mixed-precision", "bf16", "--max-steps", "2", "--log-with", "none", "--output-dir",
-                         str(tmp_path / "run")], recipe=TOY, config="cpu_2proc.yaml",
-                        env={"TOOLKIT_CPUINFO": str(tmp_path / "cpuinfo")})
+    result = run_recipe(
+        ["--mixed-precision", "bf16", "--max-steps", "2", "--log-with", "none", "--output-dir", str(tmp_path / "run")],
+        recipe=TOY,
+        config="cpu_2proc.yaml",
+        env={"TOOLKIT_CPUINFO": str(tmp_path / "cpuinfo")},
+    )
     lines = [line for line in result.stdout.splitlines() if "bf16 instructions" in line]
     if warned:  # the main process alone measures and says it
         assert len(lines) == 1 and lines[0].startswith("warning: --mixed-precision bf16 on a CPU without"), lines
