@@ -137,7 +137,7 @@ SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from toolkit.distributed import mean_over_processes, merge_moments, std_from_moments
+    from toolkit.distributed import global_mean, mean_over_processes, merge_moments, std_from_moments
     from toolkit.metrics import error_metrics, masked_error_sums
 
     out = sys.argv[1]
@@ -148,6 +148,10 @@ SCRIPT = textwrap.dedent(
     result = {"rank": rank, "num_processes": accelerator.num_processes, "world_size": dist.get_world_size(),
               "backend": dist.get_backend(), "cases": {},
               "mean_of_ranks": mean_over_processes(accelerator, torch.tensor([rank + 1.0])).tolist()}
+    # global_mean over uneven item counts: rank 0 holds 1, 2, 3 and rank 1 holds 10; the global mean is 16 / 4
+    items = torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else torch.tensor([10.0])
+    loss, mean = global_mean(accelerator, items.sum(), len(items))
+    result["global_mean"] = [loss.item(), mean.item()]
     for name, cut in json.load(open(f"{out}/cuts.json")).items():
         rows = slice(0, cut) if rank == 0 else slice(cut, len(x))
         count, mean, m2 = merge_moments(accelerator, torch.from_numpy(x[rows]))
@@ -180,6 +184,9 @@ def test_two_gloo_processes_equal_one_process(tmp_path, accelerator):
         (1, 2, 2, "gloo"),
     ]
     assert [r["mean_of_ranks"] for r in results] == [[1.5], [1.5]]  # (1 + 2) / 2 on each rank
+    # each rank's loss is its sum x world size / global count, so DDP's average of the ranks' gradients is the
+    # gradient of the global mean (6 x 2 / 4 and 10 x 2 / 4; their mean is 4): not each rank's own mean (2 and 10)
+    assert [r["global_mean"] for r in results] == [[3.0, 4.0], [5.0, 4.0]]
     ref_mean, ref_std = two_pass(x)
     ref_std[3] = 1.0  # the constant field
     count, mean, m2 = merge_moments(accelerator, torch.from_numpy(x))  # one process, all rows

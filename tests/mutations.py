@@ -1,0 +1,239 @@
+"""A mutation check you can run: small deliberate bugs, one at a time, each against the tests meant to catch it.
+
+    python tests/mutations.py                 # every mutation (about 10 minutes on 2 cores)
+    python tests/mutations.py --list          # the mutations, with the tests each one runs
+    python tests/mutations.py --only resume-position-off-by-one ranking-ties
+    make mutations
+
+For each mutation: a copy of the checkout (the files git tracks, and new ones it does not ignore) is made in a
+temporary folder, the one-line change is applied there (the text to replace must occur exactly once, else the
+mutation is reported STALE: the code moved and the list needs updating), and the related tests run there with
+`pytest -x`. CAUGHT: a test failed. SURVIVED: every test passed with the bug in; a hole in the suite. ERROR: pytest
+could not run the tests (collection error, none selected). TIMEOUT: caught only by the time limit, which is a slow,
+imprecise failure to fix. The checkout itself is never changed. It is a tool, not part of `make test`.
+
+Each mutation names the mechanism it breaks; add one for each mechanism you change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+    why: str = ""
+    also: tuple[tuple[str, str, str], ...] = ()  # further (path, old, new) edits of the same bug
+
+
+MUTATIONS = [
+    # ---- the four bugs the suite let through (issue 28) --------------------------------------------------------
+    Mutation("dcrnn-loss-counts-missing-readings", "recipes/dcrnn.py",
+             "observed = truth > 0", "observed = truth >= 0",
+             ("tests/test_objectives.py",),
+             "DCRNN's masked MAE counts the missing readings (zeros)"),
+    Mutation("dropout-and-clipping-made-resumable", "toolkit/run.py",
+             '"cache_dir",\n}', '"cache_dir", "dropout", "max_grad_norm",\n}',
+             ("tests/test_resume_rule.py",),
+             "a resume with another --dropout / --max-grad-norm is accepted"),
+    Mutation("dropout-and-clipping-made-resumable-and-declared", "toolkit/run.py",
+             '"cache_dir",\n}', '"cache_dir", "dropout", "max_grad_norm",\n}',
+             ("tests/test_resume_rule.py", "-k", "sasrec"),
+             "the same, with changed values declared in the test: the resume itself must show the difference",
+             also=(("tests/test_resume_rule.py", "RESUME_CHANGES = {\n",
+                    'RESUME_CHANGES = {\n    "dropout": lambda run, scratch: ["--dropout", "0.5"],\n'
+                    '    "max_grad_norm": lambda run, scratch: ["--max-grad-norm", "0.01"],\n'),)),
+    Mutation("sha256-skips-random-states", "toolkit/checkpoint.py",
+             'if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):',
+             'if path.stat().st_size != entry.get("bytes") or (not name.startswith("random_states") '
+             'and _sha256(path) != entry.get("sha256")):',
+             ("tests/test_checkpoint_integrity.py",),
+             "damaged RNG states of the same size pass the checksum"),
+    Mutation("resume-position-off-by-one", "toolkit/loop.py",
+             "accelerator.skip_first_batches(loader, batches_done) if batches_done",
+             "accelerator.skip_first_batches(loader, batches_done + 1) if batches_done",
+             ("tests/test_resume_position.py", "tests/test_exactness.py", "-k", "resume"),
+             "a resumed epoch skips one batch too many"),
+    # ---- one in each mechanism the issue names ----------------------------------------------------------------
+    Mutation("checksum-compares-sizes-only", "toolkit/checkpoint.py",
+             ' or _sha256(path) != entry.get("sha256"):', ":",
+             ("tests/test_checkpoint_integrity.py",),
+             "the manifest's sha256 is never compared"),
+    Mutation("keyed-dropout-depends-on-rank", "toolkit/randomness.py",
+             "keep = lanes[state.rank * rows:(state.rank + 1) * rows]", "keep = lanes[:rows]",
+             ("tests/test_randomness.py",),
+             "every rank takes rank 0's rows of the global mask"),
+    Mutation("ranking-ties-favour-the-target", "toolkit/metrics.py",
+             "beats = (other_scores >= target_scores.unsqueeze(1))",
+             "beats = (other_scores > target_scores.unsqueeze(1))",
+             ("tests/test_metrics.py",),
+             "an item tied with the target no longer ranks above it"),
+    Mutation("global-mean-is-each-ranks-mean", "toolkit/distributed.py",
+             "loss = local_sum * (accelerator.num_processes / global_count)", "loss = local_sum / count.clamp_min(1.0)",
+             ("tests/test_moments.py", "-k", "gloo"),
+             "each rank averages its own items, so ranks with fewer items weigh more"),
+    Mutation("normalisation-uses-sample-std", "toolkit/distributed.py",
+             "floor: float = 1e-6, ddof: int = 0", "floor: float = 1e-6, ddof: int = 1",
+             ("tests/test_moments.py", "tests/test_objectives.py"),
+             "the normalisation statistics divide by n - 1"),
+    Mutation("hrm-q-halt-weighted-twice", "toolkit/models/hrm.py",
+             "total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)",
+             "total = lm_loss + q_halt_loss + 0.5 * q_continue_loss",
+             ("tests/test_objectives.py",),
+             "HRM's ACT loss weighs the halting BCE 1 instead of 0.5"),
+    Mutation("changed-flag-seen-only-by-type", "toolkit/run.py",
+             "if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]",
+             "if key not in RESUMABLE_CHANGES and type(old.get(key)) != type(new.get(key))]",
+             ("tests/test_resume_rule.py", "-k", "refused"),
+             "a flag changed to another value of the same type is accepted on resume"),
+    # ---- the training objectives (tests/test_objectives.py) --------------------------------------------------
+    Mutation("sasrec-loss-counts-padding", "recipes/sasrec.py",
+             "    positions = targets > 0\n", "    positions = targets >= 0\n",
+             ("tests/test_objectives.py",),
+             "SASRec's loss is taken at padding positions too"),
+    Mutation("dcrnn-loss-on-scaled-values", "recipes/dcrnn.py",
+             "predicted = scaler.inverse(scaled_prediction.float())", "predicted = scaled_prediction.float()",
+             ("tests/test_objectives.py",),
+             "DCRNN's MAE compares scaled predictions with speeds in mph"),
+    Mutation("ufs-targets-not-normalised", "recipes/ufs_emulator.py",
+             '"y": model.normalise_outputs(patterns.train_targets)', '"y": patterns.train_targets',
+             ("tests/test_objectives.py",),
+             "the UFS emulator trains on raw targets"),
+    # ---- mechanisms changed with issues 28 and 24 --------------------------------------------------------------
+    Mutation("short-epoch-not-noticed", "toolkit/loop.py",
+             "if batches_done < batches_in_epoch:", "if batches_done < batches_in_epoch - 1:",
+             ("tests/test_resume_position.py",),
+             "a loader that ends one batch short of its epoch is not stopped"),
+    Mutation("torch-dropout-not-named", "toolkit/randomness.py",
+             "if isinstance(module, RANK_DEPENDENT_DROPOUT) and module.p > 0]",
+             "if type(module) is torch.nn.Dropout and module.p > 0]",
+             ("tests/test_dropout_warning.py",),
+             "Dropout2d and the other torch dropouts are not named at the start"),
+    Mutation("missing-extra-names-no-command", "toolkit/extras.py",
+             "which is not installed: pip install '{PACKAGE}[{extra}]'", "which is not installed",
+             ("tests/test_extras.py",),
+             "a missing extra does not say what to install"),
+]
+
+
+def checkout_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+def copy_checkout(target: Path) -> None:
+    for name in checkout_files():
+        destination = target / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, destination)
+    if (ROOT / ".cache").is_dir():  # prepared test data (MovieLens, generated puzzles) is shared, not copied
+        (target / ".cache").symlink_to(ROOT / ".cache")
+
+
+def apply(mutation: Mutation, copy: Path) -> bool:
+    edits = ((mutation.path, mutation.old, mutation.new), *mutation.also)
+    for relative, old, _new in edits:
+        if (copy / relative).read_text().count(old) != 1:
+            return False
+    for relative, old, new in edits:
+        path = copy / relative
+        path.write_text(path.read_text().replace(old, new))
+    return True
+
+
+def run_one(mutation: Mutation, timeout: float, baseline: bool = False) -> tuple[str, float, str]:
+    """(verdict, seconds, last lines of pytest's output). baseline: the same tests on the unchanged copy."""
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as scratch:
+        copy = Path(scratch)
+        copy_checkout(copy)
+        # baseline: no bug; the tests must pass without it, or a CAUGHT means nothing
+        if not baseline and not apply(mutation, copy):
+            return "STALE", 0.0, f"{mutation.path}: the text to replace is not there exactly once"
+        # The copy's toolkit, not the checkout's (an editable install points there): PYTHONPATH comes first.
+        env = {**os.environ, "PYTHONPATH": f"{copy}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        where = subprocess.run([sys.executable, "-c", "import toolkit; print(toolkit.__file__)"], cwd=copy, env=env,
+                               capture_output=True, text=True).stdout.strip()
+        if not where.startswith(str(copy)):
+            return "ERROR", 0.0, f"the copy imports toolkit from {where or 'nowhere'}, not from {copy}"
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+        started = time.perf_counter()
+        try:
+            result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "TIMEOUT", time.perf_counter() - started, f"no verdict within {timeout:.0f} s"
+        seconds = time.perf_counter() - started
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+        if baseline:
+            return ("PASS" if result.returncode == 0 else "FAILS"), seconds, tail
+        verdict = {0: "SURVIVED", 1: "CAUGHT"}.get(result.returncode, "ERROR")
+        return verdict, seconds, tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--list", action="store_true", help="list the mutations and the tests each one runs")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutation (default 600)")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's last lines for every mutation")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the first pass: each test selection on the unchanged checkout must pass")
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTATIONS}
+    unknown = sorted(set(args.only or []) - set(known))
+    if unknown:
+        print(f"error: --only {' '.join(unknown)}: no such mutation; one of: {', '.join(known)}", file=sys.stderr)
+        return 2
+    chosen = [known[name] for name in args.only] if args.only else MUTATIONS
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    {m.path}: {m.why}\n    tests: {' '.join(m.tests)}")
+        return 0
+    if not args.no_baseline:
+        selections = {m.tests: m for m in chosen}
+        print(f"baseline: {len(selections)} test selection(s) on the unchanged checkout", flush=True)
+        failing = []
+        for tests, m in selections.items():
+            verdict, seconds, tail = run_one(m, args.timeout, baseline=True)
+            print(f"{verdict:8} {seconds:6.1f} s  {' '.join(tests)}", flush=True)
+            if verdict != "PASS":
+                failing.append(tests)
+                print("    " + tail.replace("\n", "\n    "), flush=True)
+        if failing:
+            print(f"error: {len(failing)} test selection(s) fail without any mutation; fix them first",
+                  file=sys.stderr)
+            return 1
+    rows = []
+    print(f"{len(chosen)} mutation(s), each in a fresh copy of {ROOT}", flush=True)
+    for m in chosen:
+        verdict, seconds, tail = run_one(m, args.timeout)
+        rows.append((m, verdict, seconds))
+        print(f"{verdict:8} {seconds:6.1f} s  {m.name}", flush=True)
+        if args.verbose or verdict not in ("CAUGHT", "SURVIVED"):
+            print("    " + tail.replace("\n", "\n    "), flush=True)
+    print("\n| mutation | file | tests | result | seconds |\n| --- | --- | --- | --- | ---: |")
+    for m, verdict, seconds in rows:
+        print(f"| {m.name} | `{m.path}` | `{' '.join(m.tests)}` | {verdict} | {seconds:.1f} |")
+    caught = sum(verdict == "CAUGHT" for _, verdict, _ in rows)
+    print(f"\n{caught} of {len(rows)} caught")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
