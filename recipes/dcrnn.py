@@ -50,7 +50,8 @@ from toolkit.data.traffic import (
 )
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import masked_error_sums
 from toolkit.models.dcrnn import DCRNN, sampling_probability
@@ -131,7 +132,7 @@ def masked_mae(scaled_prediction: torch.Tensor, truth: torch.Tensor, scaler, acc
     return global_mean(accelerator, error_sum, observed.sum())  # (loss to backpropagate, its value)
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)

@@ -52,7 +52,8 @@ from torch.utils.data import DataLoader
 from toolkit.config import TrainConfig, parse_config, require_at_least
 from toolkit.data.sudoku import Recipe, is_csv_folder, load_sudoku, split
 from toolkit.devices import pin_memory
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios
 from toolkit.randomness import keyed_hash
@@ -257,7 +258,7 @@ def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) ->
     return rank_sum * (num_processes / batch_size)  # rank_sum: act_losses' total over this rank's rows
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)

@@ -44,7 +44,8 @@ from toolkit.config import TrainConfig, parse_config, require_at_least
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
 from toolkit.models.sasrec import SASRec
@@ -151,7 +152,7 @@ def next_item_loss(
     return global_mean(accelerator, per_item.sum(), positions.sum())  # mean over the GLOBAL batch's targets
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)

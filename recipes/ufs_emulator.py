@@ -65,7 +65,8 @@ from toolkit.data.ufs import (
     whole_batch,
 )
 from toolkit.distributed import mean_over_processes
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import error_metrics, masked_error_sums
 from toolkit.models.ufs_emulator import UfsEmulator
@@ -241,7 +242,7 @@ def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), target)  # equal per-rank batches: the mean of means is global
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__)
     check(cfg)

@@ -222,7 +222,7 @@ def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_d
     result = run_recipe([*ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "1000", "--epochs", "50",
                          "--output-dir", str(out)], recipe=TOY, check=False)
     errors = error_lines(result)
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]  # a runtime failure
     assert f"no space left on the disk at {small_disk}" in errors[0] and str(out) in errors[0]
     assert "Traceback" not in result.stderr
     root = out / "checkpoints"
@@ -243,7 +243,7 @@ def test_a_full_disk_when_the_run_directory_is_taken_is_one_line(small_disk):
     out = small_disk / "run"
     result = run_recipe([*ARGS, "--output-dir", str(out)], recipe=TOY, check=False)
     errors = error_lines(result)
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]  # a runtime failure
     assert f"no space left on the disk at {small_disk}" in errors[0], errors
     assert "Traceback" not in result.stderr
 
@@ -255,7 +255,7 @@ def test_a_full_disk_inside_safetensors_is_named_as_one(small_disk):
 
     accelerator = Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(1000, 1000))  # 4 MB of weights on a 400 kB disk
-    with pytest.raises(checkpoint.UsageError) as error:
+    with pytest.raises(checkpoint.RunFailed) as error:
         checkpoint.save_checkpoint(accelerator, small_disk / "run", 1, {"global_step": 1})
     assert str(error.value).startswith(f"no space left on the disk at {small_disk}")
     assert not list((small_disk / "run" / "checkpoints").iterdir())  # the staging directory is removed
@@ -268,7 +268,7 @@ def test_a_full_disk_while_writing_an_artifact_is_one_line(small_disk, monkeypat
     run.output_dir = small_disk
     monkeypatch.setattr(Run, "is_main", property(lambda self: True))
     fill(small_disk)
-    with pytest.raises(checkpoint.UsageError, match=f"no space left on the disk at {small_disk}"):
+    with pytest.raises(checkpoint.RunFailed, match=f"no space left on the disk at {small_disk}"):
         run.write_artifact("plot.png", lambda path: path.write_bytes(b"x" * 100_000))
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no partial file left
 
@@ -292,7 +292,7 @@ def test_a_full_disk_while_writing_a_metrics_row_is_one_line(tmp_path):
     out = tmp_path / "run"
     result = run_recipe([*ARGS, "--output-dir", str(out)], recipe=TOY, check=False, env={"PYTHONPATH": str(hook)})
     errors = error_lines(result)
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]  # a runtime failure
     assert "no space left on the disk at" in errors[0] and str(out / "metrics.csv") in errors[0], errors
     assert "Traceback" not in result.stderr
     assert (out / "config.json").exists() and not (out / "summary.json").exists()

@@ -64,7 +64,7 @@ def test_a_recipe_flag_error_under_two_processes_is_one_line(tmp_path):
 
 
 WRITER = """import sys
-from toolkit.errors import write_line as say
+from toolkit.console import write_line as say
 for _ in range(2000):
     say(f"[rank {sys.argv[1]}] " + "x" * 300)
 """

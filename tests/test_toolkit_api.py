@@ -168,7 +168,7 @@ def test_non_finite_loss_or_metric_stops_with_one_line_and_keeps_the_good_checkp
     step = "8" if hook == "--diverge-at-step" else "9"
     result = run_recipe([*TOY_ARGS, hook, step, "--output-dir", str(out)], recipe=TOY, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1 and what in errors[0], result.stderr
+    assert result.returncode == 1 and len(errors) == 1 and what in errors[0], result.stderr  # runtime: 1
     assert "Traceback" not in result.stderr
     assert not (out / "summary.json").exists()  # never reported as a result
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3", "step_6"]
@@ -181,7 +181,7 @@ def test_an_exploding_loss_stops_like_a_non_finite_one_unless_turned_off(tmp_pat
     out = tmp_path / "run"
     result = run_recipe([*TOY_ARGS, "--explode-at-step", "8", "--output-dir", str(out)], recipe=TOY, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
     assert "the training loss exploded to" in errors[0] and "at step 8, more than --max-loss-ratio 1e+06 x" in errors[0]
     assert not (out / "summary.json").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3", "step_6"]

@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from toolkit.config import TrainConfig, parse_config  # noqa: E402
-from toolkit.errors import exit_on_usage_error  # noqa: E402
+from toolkit.entry import one_line_errors  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
 from toolkit.randomness import KeyedDropout, keyed_uniform  # noqa: E402
 from toolkit.run import start_run  # noqa: E402
@@ -109,7 +109,7 @@ class Carry:
         self.last = state["last"]
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv=None):
     cfg = parse_config(ToyConfig, argv)
     run = start_run(cfg, recipe="toy", ddp_kwargs={"broadcast_buffers": False})

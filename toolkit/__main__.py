@@ -28,7 +28,7 @@ if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
     os.environ["_TOOLKIT_QUIET_LAUNCHER"] = "1"
 
 from toolkit import catalog, compare, doctor, launch, sweep, verify  # noqa: E402
-from toolkit.errors import exit_on_usage_error  # noqa: E402
+from toolkit.entry import one_line_errors  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # everything after it belongs to accelerate launch, options included

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from toolkit.errors import UsageError
+from toolkit.errors import RunFailed, UsageError
 
 MARKER = "COMPLETE"
 PROGRESS_FILE = "progress.json"
@@ -244,17 +244,18 @@ def as_os_error(error: Exception, where: Path) -> OSError:
     return OSError(number, os.strerror(number), str(where))
 
 
-def disk_error(error: OSError, where: Path) -> UsageError:
-    """One line for an OS error while writing: a full disk names the disk (mount point) and its free space."""
+def disk_error(error: OSError, where: Path) -> RunFailed:
+    """One line for an OS error while writing (exit 1): a full disk names the disk (mount point) and its free
+    space."""
     path = Path(error.filename) if error.filename else Path(where)
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         mount = _mount_point(path)
         free = shutil.disk_usage(mount).free / 2**20 if mount.exists() else 0.0
-        return UsageError(
+        return RunFailed(
             f"no space left on the disk at {mount} ({free:.1f} MiB free) while writing {path}; complete checkpoints "
             "are intact: free space, then continue with --resume-from auto"
         )
-    return UsageError(f"could not write {path} ({error.strerror or error}); complete checkpoints are intact")
+    return RunFailed(f"could not write {path} ({error.strerror or error}); complete checkpoints are intact")
 
 
 def _mount_point(path: Path) -> Path:

@@ -46,7 +46,8 @@ import torch
 from safetensors.torch import load_file
 
 from toolkit import checkpoint, extras
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 
 FILL_VALUE = 1.0e30  # CICE's spval: what its history files hold outside the ocean
 PREDICT_CHUNK = 16384  # points per call: bounds the [chunk, width, inputs] Jacobian chain in memory
@@ -430,7 +431,7 @@ def _torchscript_removed(args) -> None:
     )
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m toolkit.export", description=__doc__.split("\n\n")[0])
     formats = parser.add_subparsers(dest="format", required=True)

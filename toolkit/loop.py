@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint, compilation, extras, preemption, randomness, shutdown
-from toolkit.errors import UsageError
+from toolkit.errors import TrainingStopped, UsageError
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
 from toolkit.tracking import (
@@ -60,10 +60,6 @@ from toolkit.tracking import (
     truncate_to_bytes,
     write_json,
 )
-
-
-class TrainingStopped(UsageError):
-    """The run cannot go on (a non-finite loss or metric): one line naming the step; the checkpoints stay."""
 
 
 @dataclass

@@ -40,9 +40,10 @@ from accelerate.utils import (
 
 from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown
 from toolkit.config import TrainConfig
+from toolkit.console import write_line
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
-from toolkit.errors import UsageError, write_line
+from toolkit.errors import ONE_LINE, UsageError, same_failure
 from toolkit.tracking import LOG_FILE, METRICS_FILE, tracker_choice, tracker_init_kwargs
 
 # Accelerate's optimizer asks importlib whether lomo_optim is installed twice in every step() (two find_spec calls,
@@ -136,8 +137,8 @@ class Run:
         if self.is_main:
             try:
                 _take_run_dir(self)
-            except UsageError as error:
-                problem[0] = str(error)
+            except ONE_LINE as error:  # bad input, or a disk that cannot be written: every rank stops with it
+                problem[0] = error
         accelerator.wait_for_everyone()
         if problem[0] is None and not self.is_main and os.environ.get("LOCAL_RANK", "0") == "0":
             problem[0] = _shared_filesystem_problem(self)
@@ -225,11 +226,11 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     return run
 
 
-def _raise_if_any(accelerator: Accelerator, problem: str | None) -> None:
+def _raise_if_any(accelerator: Accelerator, problem: Exception | str | None) -> None:
     """Every rank raises the first rank's problem (rank order), so all stop together with the same line."""
     if accelerator.num_processes == 1:
         if problem:
-            raise UsageError(problem)
+            raise same_failure(problem)
         return
     import torch.distributed as dist
 
@@ -237,7 +238,7 @@ def _raise_if_any(accelerator: Accelerator, problem: str | None) -> None:
     dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
     if first:
-        raise UsageError(first)
+        raise same_failure(first)
 
 
 def _check_machines_agree(state: PartialState) -> None:
@@ -265,13 +266,13 @@ def _shared(state: PartialState, make):
     if state.is_main_process:
         try:
             box[0] = ("ok", make())
-        except UsageError as error:
-            box[0] = ("error", str(error))
+        except ONE_LINE as error:
+            box[0] = ("error", error)
     if state.num_processes > 1:
         broadcast_object_list(box, from_process=0)
     kind, value = box[0]
     if kind == "error":
-        raise UsageError(value)
+        raise same_failure(value)
     return value
 
 
@@ -583,10 +584,10 @@ def main_process_first(run: Run, build):
     if state.is_main_process:
         try:
             value = build()
-        except UsageError as error:
-            failure[0] = str(error)
+        except ONE_LINE as error:
+            failure[0] = error
     if state.num_processes > 1:
         broadcast_object_list(failure, from_process=0)
     if failure[0] is not None:
-        raise UsageError(failure[0])
+        raise same_failure(failure[0])
     return value if state.is_main_process else build()

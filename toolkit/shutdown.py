@@ -18,7 +18,7 @@ job FAILED. What was left running, and what ends it here:
 
 `TrainingLoop.finish()` leaves together (a barrier: rank 0 still writing summary.json must not see its peer's
 sockets close under it), stops the heartbeat and destroys the group; `release()` runs when the recipe's main()
-returns or raises (toolkit.errors.exit_on_usage_error) and, for whatever path skipped that, again at exit
+returns or raises (toolkit.entry.one_line_errors) and, for whatever path skipped that, again at exit
 (`import toolkit` registers it): a script that makes its own Accelerator() ends its group without a line of its own.
 `TOOLKIT_EXIT_REPORT=1` makes every process print, as its last act, the threads still alive then: one line,
 `[rank r] threads at exit: N (names)`.
@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 
-from toolkit.errors import write_line
+from toolkit.console import write_line
 
 EXIT_REPORT = "TOOLKIT_EXIT_REPORT"
 _launcher = False

@@ -42,7 +42,8 @@ import datasets
 import numpy as np
 
 from toolkit.data.cache import DATASET_DIR, META_FILE, cached_dataset, file_fingerprint, save_atomically, writable
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 
 FORMAT_VERSION = 1
 CELLS = 81
@@ -570,7 +571,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     try:

@@ -46,7 +46,8 @@ import torch
 
 from toolkit import extras
 from toolkit.data.rows import TensorRows
-from toolkit.errors import UsageError, exit_on_usage_error
+from toolkit.entry import one_line_errors
+from toolkit.errors import UsageError
 from toolkit.randomness import keyed_uniform
 
 DEFAULT_INPUTS = (
@@ -794,7 +795,7 @@ def synthesize(
     return out
 
 
-@exit_on_usage_error
+@one_line_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m toolkit.data.ufs", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)

@@ -1,0 +1,93 @@
+"""The toolkit's modules import each other without a cycle, and the leaves stay leaves; failures map to exit codes.
+
+The walk reads every import statement of every module (those inside functions too: a lazy import is still a
+dependency), so a cycle cannot hide behind a function-level import."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from tests.conftest import ROOT
+
+LEAVES = ("toolkit.errors", "toolkit.console")  # imported by everything, so they import nothing of the toolkit
+
+
+def toolkit_imports() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted((ROOT / "toolkit").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        package = name if is_package else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: the package, less (level - 1) parts, then the module
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                for alias in node.names:  # `from toolkit import checkpoint` names a module
+                    targets.add(f"{base}.{alias.name}")
+                targets.add(base)
+        graph[name] = targets
+    modules = set(graph) - {"toolkit"}
+    return {name: {t for t in targets if t in modules and t != name} for name, targets in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_walk_sees_lazy_and_package_imports():
+    graph = toolkit_imports()
+    assert len(graph) > 30
+    assert "toolkit.shutdown" in graph["toolkit.entry"]  # a module-level import
+    assert "toolkit.distributed" in graph["toolkit.entry"]  # a function-level one
+    assert "toolkit.checkpoint" in graph["toolkit.loop"]  # `from toolkit import checkpoint`
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle_anywhere_in_the_toolkit():
+    assert cycles(toolkit_imports()) == []
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_the_leaves_import_nothing_of_the_toolkit(leaf):
+    assert toolkit_imports()[leaf] == set()
+
+
+def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
+    from toolkit.entry import one_line_errors
+    from toolkit.errors import RunFailed, TrainingStopped, UsageError
+
+    for error, status in ((UsageError("--lr -1 is invalid"), 2), (RunFailed("no space left"), 1),
+                          (TrainingStopped("the training loss is nan at step 3"), 1)):
+
+        @one_line_errors
+        def main(error=error):
+            raise error
+
+        with pytest.raises(SystemExit) as exited:
+            main()
+        assert exited.value.code == status
+        assert capfd.readouterr().err.splitlines() == [f"error: {error}"]

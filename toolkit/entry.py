@@ -1,0 +1,50 @@
+"""The wrapper of a command's main(): every failure the toolkit knows is one line and an exit status.
+
+    @one_line_errors
+    def main(argv=None): ...
+
+UsageError -> `error: ...`, exit 2; RunFailed -> `error: ...`, exit 1; losing another rank mid-run (it died, or hung
+past --dist-timeout) -> one line naming it, exit 1. Whatever the path, what the run left running (heartbeat,
+launcher watch, process group) ends here, while the interpreter is whole (toolkit.shutdown)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from toolkit import shutdown
+from toolkit.console import say
+from toolkit.errors import RunFailed, UsageError
+
+
+def one_line_errors(main):
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        broken = True
+        try:
+            result = main(*args, **kwargs)
+            broken = False
+            return result
+        except (UsageError, RunFailed) as error:
+            broken = False  # every rank checks the same input (and agrees on a stop): the group can be ended
+            # Rank 0 speaks for all (one line), the others exit quietly.
+            if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+                say(f"{prefix}error: {error}")
+            raise SystemExit(2 if isinstance(error, UsageError) else 1) from None
+        except SystemExit as exit_:
+            broken = exit_.code not in (0, None, 2)  # pre-emption (0) and bad flags (2) end on every rank
+            raise
+        except Exception as error:
+            from toolkit.distributed import lost_peers_message
+
+            message = lost_peers_message(error)
+            if message is None:
+                raise
+            say(f"{prefix}error: {message}")
+            raise SystemExit(1) from None
+        finally:
+            shutdown.release(broken=broken)
+
+    return wrapper
