@@ -134,8 +134,7 @@ def masked_mae(scaled_prediction: torch.Tensor, truth: torch.Tensor, scaler, acc
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(PRESETS, argv, description=__doc__)
-    check(cfg)
+    cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     # The graph supports are constants on every rank: no need for DDP to broadcast them every forward.
     run = start_run(cfg, recipe="dcrnn", ddp_kwargs={"broadcast_buffers": False})
     accelerator = run.accelerator
@@ -234,19 +233,11 @@ def main(argv: list[str] | None = None) -> dict:
                 with accelerator.autocast():
                     loss, loss_value = training_loss(batch)
                 accelerator.backward(loss)
-                if cfg.max_grad_norm and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            loop.record_loss(loss_value)
+                loop.optimizer_step(optimizer, scheduler, loss=loss_value)
         loop.end_epoch()
 
     # ---- test the best validation checkpoint, next to the baselines on the same windows -----------------------
-    loop.load_best()
-    test_metrics = loop.test(lambda: forecast_metrics(test_loader, "test"))
-    summary = loop.finish(extra={"baselines": baselines})
-    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
+    summary = loop.finish_at_best(lambda: forecast_metrics(test_loader, "test"), extra={"baselines": baselines})
     for name, metrics in baselines.items():
         run.print(format_table(f"baseline {name} on the same test windows", metrics))
     return summary

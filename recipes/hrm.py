@@ -59,7 +59,6 @@ from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios
 from toolkit.randomness import keyed_hash
 from toolkit.run import main_process_first, start_run
 from toolkit.sampler import CrossEpochBatchSampler
-from toolkit.tracking import format_table
 
 EXPLORATION, AUGMENTATION_PICK = 11, 12  # purposes of keyed randomness
 VOCAB = 11  # 0 pad, 1 blank, 2..10 the digits 1..9
@@ -260,8 +259,7 @@ def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) ->
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(PRESETS, argv, description=__doc__)
-    check(cfg)
+    cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     # The puzzle-embedding table is a buffer updated identically on every rank: DDP must not broadcast it.
     run = start_run(cfg, recipe="hrm", ddp_kwargs={"broadcast_buffers": False})
     accelerator = run.accelerator
@@ -377,11 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         loop.end_epoch()
 
     # ---- test: the best validation checkpoint on the held-out puzzles ------------------------------------------
-    loop.load_best()
-    test_metrics = loop.test(lambda: puzzle_metrics(test_loader, "test"))
-    summary = loop.finish()
-    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
-    return summary
+    return loop.finish_at_best(lambda: puzzle_metrics(test_loader, "test"))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
 from toolkit.models.sasrec import SASRec
 from toolkit.randomness import sample_negatives
 from toolkit.run import main_process_first, start_run
-from toolkit.tracking import format_table
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
 
@@ -154,8 +153,7 @@ def next_item_loss(
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(PRESETS, argv, description=__doc__)
-    check(cfg)
+    cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     run = start_run(cfg, recipe="sasrec")
     accelerator = run.accelerator
 
@@ -274,20 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
                 with accelerator.autocast():
                     loss, loss_value = training_loss(batch)
                 accelerator.backward(loss)
-                if cfg.max_grad_norm and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            loop.record_loss(loss_value)
+                loop.optimizer_step(optimizer, scheduler, loss=loss_value)
         loop.end_epoch()
 
     # ---- test the best validation checkpoint ---------------------------------------------------------------
-    loop.load_best()
-    test_metrics = loop.test(lambda: ranking_metrics(test_loader, "test"))
-    summary = loop.finish()
-    run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", test_metrics))
-    return summary
+    return loop.finish_at_best(lambda: ranking_metrics(test_loader, "test"))
 
 
 if __name__ == "__main__":

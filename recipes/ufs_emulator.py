@@ -64,7 +64,6 @@ from toolkit.data.ufs import (
     load_patterns,
     whole_batch,
 )
-from toolkit.distributed import mean_over_processes
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
@@ -244,8 +243,7 @@ def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(PRESETS, argv, description=__doc__)
-    check(cfg)
+    cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     run = start_run(cfg, recipe="ufs_emulator")
     accelerator = run.accelerator
 
@@ -406,11 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
                     out = model(batch["x"])
                 loss = normalised_mse(out, batch["y"])
                 accelerator.backward(loss)
-                if cfg.max_grad_norm and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            loop.record_loss(mean_over_processes(accelerator, loss.detach()))
+                loop.optimizer_step(optimizer, rank_loss=loss)  # equal per-rank batches: the mean of means is global
         loop.end_epoch()
 
     # ---- the best weights: validation metrics and the predicted-vs-true scatter (this recipe has no test split) -

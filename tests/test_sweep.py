@@ -209,3 +209,14 @@ def test_compare_columns_keeps_only_the_test_metrics_named():
     assert [h for h in compare(runs).header if h.startswith("test_")] == ["test_jac/sst", "test_mae", "test_rmse"]
     assert [h for h in compare(runs, columns=["rmse", "mae"]).header if h.startswith("test_")] == ["test_mae",
                                                                                                  "test_rmse"]
+
+
+def test_a_recipe_check_refuses_a_grid_value_before_the_sweep_makes_anything(tmp_path):
+    """SASRec's own check (--dropout in [0, 1)) runs inside parse_config, so the sweep's pre-check sees it: the new
+    user's `--grid dropout=0,2` made the sweep directory and two failed runs with tracebacks before."""
+    result = toolkit("sweep", "recipes/sasrec.py", "--grid", "dropout=0,2", "--out", tmp_path / "new", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "--dropout 2.0 is invalid; it must be in [0, 1)" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

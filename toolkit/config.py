@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -93,10 +93,12 @@ CHECK_ARGS = "TOOLKIT_CHECK_ARGS"  # =1: parse and check the flags, then exit (0
 
 
 def parse_config(presets: type[ConfigT] | Mapping[str, tuple[str, ConfigT]], args: list[str] | None = None,
-                 description: str | None = None) -> ConfigT:
+                 description: str | None = None, check: Callable[[ConfigT], None] | None = None) -> ConfigT:
     """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed).
     presets: the recipe's {name: (one-line description, config)} (toolkit.presets; `--preset NAME` picks one, the
-    first by default, and its values are the flags' defaults), or just a config dataclass."""
+    first by default, and its values are the flags' defaults), or just a config dataclass.
+    check(config): the recipe's own checks (raise UsageError), run here with the global batch known and before
+    anything is made, so `toolkit sweep` checks every value of a grid with them before it starts a run."""
     is_main = os.environ.get("RANK", "0") == "0"
     args = sys.argv[1:] if args is None else list(args)
     if isinstance(presets, Mapping):
@@ -119,6 +121,8 @@ def parse_config(presets: type[ConfigT] | Mapping[str, tuple[str, ConfigT]], arg
         raise
     validate(config)
     _apply_batch_per_process(config, args)
+    if check is not None:
+        check(config)
     if os.environ.get(CHECK_ARGS) == "1":  # `toolkit sweep` checks a grid's flags before it makes anything
         raise SystemExit(0)
     return config

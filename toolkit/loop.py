@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint, compilation, extras, preemption, randomness, shutdown
+from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped, UsageError
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
@@ -56,6 +57,7 @@ from toolkit.tracking import (
     METRICS_FILE,
     SUMMARY_FILE,
     MetricsFile,
+    format_table,
     plot_curves,
     truncate_to_bytes,
     write_json,
@@ -248,8 +250,30 @@ class TrainingLoop:
             if self.stopped:
                 return
 
+    def optimizer_step(self, optimizer, scheduler=None, *, loss: torch.Tensor | None = None,
+                       rank_loss: torch.Tensor | None = None) -> None:
+        """The step every recipe takes, once: inside `with accelerator.accumulate(model):`, after
+        `accelerator.backward(...)`. Clips the gradients to --max-grad-norm when they sync (the last micro-batch of
+        an accumulation window), steps the optimizer and the scheduler (Accelerate skips both inside a window), zeroes
+        the gradients, and records the micro-batch's loss for the progress bar, log and metrics rows. Give either
+        `loss`, already the mean over the GLOBAL batch (toolkit.distributed.global_mean returns it), or
+        `rank_loss`, this rank's mean over its equal share of the batch, averaged over the processes here."""
+        if (loss is None) == (rank_loss is None):
+            raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss= "
+                            "(this rank's mean, averaged over the processes here)")
+        accelerator = self.accelerator
+        if self.config.max_grad_norm and accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.record_loss(loss if rank_loss is None else mean_over_processes(accelerator, rank_loss.detach()))
+
     def record_loss(self, loss: torch.Tensor) -> None:
-        """The micro-batch's loss, already the mean over the whole global batch (same value on every rank)."""
+        """The micro-batch's loss, already the mean over the whole GLOBAL batch (the same value on every rank): a
+        rank's own mean must be averaged first (toolkit.distributed.mean_over_processes), or use optimizer_step's
+        rank_loss=, which does it. For a step that optimizer_step does not fit (HRM's two optimizers)."""
         self._pending_loss.append(loss.detach().float())
 
     def request_stop(self, reason: str) -> None:
@@ -485,6 +509,15 @@ class TrainingLoop:
             self._diverged(f"the test metric {bad[0]} is {metrics[bad[0]]} (best step {self.progress.best_step})")
         self._test_metrics = dict(metrics)
         return metrics
+
+    def finish_at_best(self, run_test, extra: dict | None = None) -> dict:
+        """The end of a recipe that tests its best-validation weights: load them, run `run_test()` (see test), write
+        the summary and end the run (finish), and print the test metrics as a table. Returns summary.json's dict."""
+        self.load_best()
+        metrics = self.test(run_test)
+        summary = self.finish(extra=extra)
+        self.run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", metrics))
+        return summary
 
     def finish(self, extra: dict | None = None) -> dict:
         """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
