@@ -299,7 +299,7 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
     warnings: list[str] = []
     if resume == "auto":
         if output_dir is None:
-            output_dir = _newest_resumable_run(RUNS_ROOT / recipe, config)
+            output_dir = _newest_resumable_run(RUNS_ROOT / recipe, config, say=warnings.append)
         found = None
         if output_dir is not None and checkpoint.newest_complete(output_dir) is not None:
             _check_not_locked(output_dir)
@@ -394,19 +394,28 @@ def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
     return previous
 
 
-def _newest_resumable_run(recipe_root: Path, config: TrainConfig) -> Path | None:
+def _newest_resumable_run(recipe_root: Path, config: TrainConfig, say=None) -> Path | None:
     """The newest run of this recipe with a complete checkpoint AND the same settings (flags that may change on
-    resume aside): `--resume-from auto` never continues a run of another configuration."""
+    resume aside): `--resume-from auto` never continues a run of another configuration. When the newest run with a
+    checkpoint has other settings, `say` gets one line naming the flags that differ (a fresh run starts)."""
     if not recipe_root.is_dir():
         return None
     new = _config_values(config)
-    runs = []
+    runs, others = [], []
     for path in recipe_root.iterdir():
         newest = checkpoint.newest_complete(path) if path.is_dir() else None
         previous = _read_config_json(path) if newest is not None else None
-        if previous and isinstance(previous.get("config"), dict) and not _changed_flags(previous["config"], new):
-            runs.append((newest.stat().st_mtime, path))
-    return max(runs)[1] if runs else None
+        if not (previous and isinstance(previous.get("config"), dict)):
+            continue
+        changed = _changed_flags(previous["config"], new)
+        (others if changed else runs).append((newest.stat().st_mtime, str(path), changed))
+    if others and say is not None and (not runs or max(others) > max(runs)):
+        _, newest_other, changed = max(others)
+        shown = "; ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        say(f"--resume-from auto: the newest run with a checkpoint, {newest_other}, has other settings ({shown}); "
+            + ("starting a new run" if not runs else f"resuming the newest run with these settings, "
+               f"{max(runs)[1]}") + f" (to continue it, give --output-dir {newest_other} and its settings)")
+    return Path(max(runs)[1]) if runs else None
 
 
 # ---- the run directory's lock: one live run per directory ------------------------------------------------------
