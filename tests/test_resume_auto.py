@@ -24,3 +24,12 @@ def test_auto_names_the_flags_that_differ_from_the_newest_run(tmp_path):
     assert f"runs/toy/{first.name}" in output and "resumed at epoch" in output
     assert "has other settings" in output  # ...except that the lr=0.01 run is newer: it is named, not taken
     assert f"resuming the newest run with these settings, runs/toy/{first.name}" in output
+
+
+def test_a_misspelled_main_metric_is_one_line_naming_the_metrics_there_are(tmp_path):
+    result = run_recipe([*ARGS, "--main-metric", "val_mes", "--output-dir", str(tmp_path / "run")], recipe=TOY,
+                        check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors == ["error: TrainingLoop(main_metric='val_mes') is not among the metrics evaluate() returned "
+                      "(val_mse); give one of them"]

@@ -59,6 +59,8 @@ class ToyConfig(TrainConfig):
     """Test hook: the training loss is multiplied by 1e7 at this step (0 = never)."""
     nan_metric_at_step: int = 0
     """Test hook: val_mse is NaN when evaluated at this step (0 = never)."""
+    main_metric: str = "val_mse"
+    """Test hook: the metric the loop selects the best step by."""
     plain_dropout: bool = False
     """Test hook: torch's nn.Dropout (rank-dependent masks) instead of KeyedDropout."""
     optimizer: str = "sgd"
@@ -164,8 +166,8 @@ def main(argv=None):
                 loop.request_stop(f"val_mse has not improved by {cfg.min_delta} for {cfg.patience} evaluations")
         return {"val_mse": mse}
 
-    loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric="val_mse", higher_is_better=False,
-                        state={"loss_ema": ema} if cfg.loss_ema else {},
+    loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric=cfg.main_metric,
+                        higher_is_better=False, state={"loss_ema": ema} if cfg.loss_ema else {},
                         rank_state={"carry": carry} if cfg.carry else {})
     loop.start()
     for _epoch in loop.epochs():

@@ -461,6 +461,11 @@ class TrainingLoop:
         return metrics
 
     def _update_best(self, metrics: dict) -> bool:
+        if self.main_metric not in metrics:  # the recipe's own mistake: one line naming what there is, every rank
+            raise UsageError(
+                f"TrainingLoop(main_metric={self.main_metric!r}) is not among the metrics evaluate() returned "
+                f"({', '.join(sorted(metrics)) or 'none'}); give one of them"
+            )
         value = metrics[self.main_metric]
         best = self.progress.best_value
         better = best is None or (value > best if self.higher_is_better else value < best)
