@@ -104,8 +104,10 @@ def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves
         finals = [json.loads((out / "runs" / n / "summary.json").read_text())["final_metrics"]["val_mse"]
                   for n in names]
         mean, std = row["final val_mse"].split(" ± ")
-        assert float(mean) == pytest.approx(statistics.fmean(finals), rel=1e-3)
-        assert float(std) == pytest.approx(statistics.stdev(finals), rel=1e-3)
+        unit = 10.0 ** -len(std.split(".")[1]) if "." in std else 1.0  # both shown to the std's 2nd digit
+        assert float(mean) == pytest.approx(statistics.fmean(finals), abs=unit / 2)
+        assert float(std) == pytest.approx(statistics.stdev(finals), abs=unit / 2)
+        assert len(mean.split(".")[-1]) == len(std.split(".")[-1])
         assert " ± " in row["test_mse"] and " ± " in row["samples/s"]
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "c.md").read_text().startswith("| group | n | seeds | final val_mse |")
@@ -220,3 +222,29 @@ def test_a_recipe_check_refuses_a_grid_value_before_the_sweep_makes_anything(tmp
     assert "--dropout 2.0 is invalid; it must be in [0, 1)" in errors[0], errors
     assert "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mean_std_reads_alike_in_every_column():
+    from toolkit.compare import mean_std
+
+    assert mean_std([0.7, 0.7222, 0.711]) == "0.711 ± 0.011"
+    assert mean_std([1.0, 1.52, 0.8]) == "1.11 ± 0.37"
+    assert mean_std([44000.0, 46000.0]) == "45,000 ± 1,400"
+    assert mean_std([12.0, 14.0]) == "13.0 ± 1.4"
+    assert mean_std([943.0, 943.0]) == "943"  # a count: no "± 0" and no "± n/a"
+    assert mean_std([0.25]) == "0.25"
+    assert mean_std([]) == "-"
+
+
+def test_runs_on_other_process_counts_are_other_groups(tmp_path):
+    from toolkit.compare import compare, load_run
+
+    for name, world, seed, value in (("a", 1, 0, 0.5), ("b", 1, 1, 0.7), ("c", 2, 0, 0.6), ("d", 2, 1, 0.8)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"recipe": "toy", "world_size": world,
+                                                     "config": {"seed": seed, "lr": 0.1}}))
+        (run / "summary.json").write_text(json.dumps({"main_metric": "m", "final_metrics": {"m": value}}))
+    table = compare([load_run(tmp_path / n, None) for n in "abcd"])
+    assert [(row[0], row[1], row[2]) for row in table.rows] == [("world_size=1", "2", "0,1"),
+                                                                ("world_size=2", "2", "0,1")]

@@ -3,9 +3,10 @@
     python -m toolkit compare DIR... [--metric NAME] [--out curves.png] [--csv FILE] [--markdown FILE]
 
 Each DIR is a run directory (it holds config.json) or a directory of runs (a sweep directory, runs/<recipe>): every
-run under it is taken. Runs are grouped by their settings less the seed and less what never changes a step's
-computation (paths, logging, checkpoint cadence, the number of epochs or steps). A group's row holds n and the
-mean ± std over its runs (sample standard deviation; "± n/a" for one run) of the main metric's final and best
+run under it is taken. Runs are grouped by their settings and process count, less the seed and less what never
+changes a step's computation (paths, logging, checkpoint cadence, the number of epochs or steps). A group's row holds n and the
+mean ± std over its runs (sample standard deviation, both shown to its second significant digit; one value alone
+for one run or equal values) of the main metric's final and best
 values, of each test metric, of the wall time and of the training throughput. The picture holds the main metric at
 each evaluation step: per group, the mean line and a min..max band over its runs. It is written into the sweep
 directory (a single DIR), or to --out. A run that has not finished (no summary.json) or that is of another recipe
@@ -102,6 +103,9 @@ def load_run(path: Path, metric: str | None, say=print) -> RunResult | None:
         say(f"skipped {path}: not finished (no summary.json; continue it with --resume-from auto)")
         return None
     settings = {k: v for k, v in config["config"].items() if k not in NOT_A_SETTING}
+    # The process count is a setting of its own: N processes equal one only to rounding (and not at all with
+    # --batch-per-process), so a 1-process and a 2-process sweep are two groups.
+    settings["world_size"] = config.get("world_size", 1)
     run = RunResult(path, str(config.get("recipe")), settings, int(config["config"].get("seed", 0)), summary)
     main = metric or summary.get("main_metric") or next(iter(summary.get("final_metrics") or {}), None)
     rates = []
@@ -129,10 +133,18 @@ def _figure(value: float) -> str:
 
 
 def mean_std(values: list[float]) -> str:
+    """"mean ± std", both to the decimal place of the std's second significant digit (0.711 ± 0.013, 1.00 ± 0.37,
+    45,000 ± 1,200), so the columns read alike; one value, or values all equal (a count), alone."""
     if not values:
         return "-"
-    spread = _figure(statistics.stdev(values)) if len(values) > 1 else "n/a"
-    return f"{_figure(statistics.fmean(values))} ± {spread}"
+    if len(set(values)) == 1:
+        value = values[0]
+        return f"{value:,.0f}" if float(value).is_integer() and abs(value) >= 1 else _figure(value)
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    digits = 1 - math.floor(math.log10(std))  # decimals to keep; negative: round to tens, hundreds...
+    if digits < 0:
+        return f"{round(mean, digits):,.0f} ± {round(std, digits):,.0f}"
+    return f"{mean:,.{digits}f} ± {std:,.{digits}f}"
 
 
 @dataclass
