@@ -248,3 +248,18 @@ def test_runs_on_other_process_counts_are_other_groups(tmp_path):
     table = compare([load_run(tmp_path / n, None) for n in "abcd"])
     assert [(row[0], row[1], row[2]) for row in table.rows] == [("world_size=1", "2", "0,1"),
                                                                 ("world_size=2", "2", "0,1")]
+
+
+def test_a_sweep_without_a_launch_config_runs_plain_python_and_its_logs_hold_no_launcher_warning(tmp_path):
+    """Without --config-file and without a default accelerate config, `accelerate launch` warned in every run's log
+    about the defaults it filled in ("num_processes was set to ..."): one process needs no launcher."""
+    out = tmp_path / "grid"
+    env = recipe_env({"HF_HOME": str(tmp_path / "hf")})  # no default accelerate config here
+    command = [sys.executable, "-m", "toolkit", "sweep", TOY, "--grid", "seed=0", "--out", str(out), "--",
+               "--max-steps", "2", "--log-with", "none"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = next((out / "logs").glob("*.log")).read_text()
+    assert log.startswith(f"$ {sys.executable} {TOY}") and "[rank 0/1]" in log
+    assert "were not passed to `accelerate launch`" not in log and "num_processes" not in log
+    assert verify_run(out / "runs" / "seed-0") == []

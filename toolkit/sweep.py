@@ -156,6 +156,19 @@ def finished(run: dict) -> bool:
     return (Path(run["output_dir"]) / "summary.json").is_file()
 
 
+def launcher(config_file: Path | None) -> list[str]:
+    """How a local run starts: `accelerate launch` with the given config, or with the user's default config (made by
+    `accelerate config`); without either, plain python (one process), where `accelerate launch` would only add its
+    warning about every default it filled in to each run's log."""
+    if config_file is not None:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file.resolve())]
+    from accelerate.commands.config import default_config_file
+
+    if Path(default_config_file).is_file():
+        return [sys.executable, "-m", "accelerate.commands.launch"]
+    return [sys.executable]
+
+
 def run_local(out: Path, manifest: dict, config_file: Path | None) -> int:
     """Each unfinished run in turn through `accelerate launch`; a failed run is named and the others still run."""
     logs = out / "logs"
@@ -166,9 +179,8 @@ def run_local(out: Path, manifest: dict, config_file: Path | None) -> int:
         if finished(run):
             print(f"[{index}/{total}] {run['name']}: finished before, skipped", flush=True)
             continue
-        config = ["--config_file", str(config_file.resolve())] if config_file else []
-        command = [sys.executable, "-m", "accelerate.commands.launch", *config, manifest["recipe"], *run["flags"],
-                   *manifest["common"], "--output-dir", run["output_dir"], "--resume-from", "auto"]
+        command = [*launcher(config_file), manifest["recipe"], *run["flags"], *manifest["common"],
+                   "--output-dir", run["output_dir"], "--resume-from", "auto"]
         log = logs / f"{run['name']}.log"
         print(f"[{index}/{total}] {run['name']}: running (log {log})", flush=True)
         began = time.perf_counter()
