@@ -4,10 +4,10 @@
 
 Each DIR is a run directory (it holds config.json) or a directory of runs (a sweep directory, runs/<recipe>): every
 run under it is taken. Runs are grouped by their settings and process count, less the seed and less what never
-changes a step's computation (paths, logging, checkpoint cadence, the number of epochs or steps). A group's row holds n and the
-mean ± std over its runs (sample standard deviation, both shown to its second significant digit; one value alone
-for one run or equal values) of the main metric's final and best
-values, of each test metric, of the wall time and of the training throughput. The picture holds the main metric at
+changes a step's computation (paths, logging, checkpoint cadence, the number of epochs or steps). A group's row holds
+n and the mean ± std over its runs (sample standard deviation, both shown to its second significant digit; one value
+alone for one run or equal values) of the main metric's final and best values, of each test metric, of the wall time
+and of the training throughput. The picture holds the main metric at
 each evaluation step: per group, the mean line and a min..max band over its runs. It is written into the sweep
 directory (a single DIR), or to --out. A run that has not finished (no summary.json) or that is of another recipe
 than the first run is named in one line and left out.

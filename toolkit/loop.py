@@ -47,6 +47,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint, compilation, extras, preemption, randomness, shutdown
+from toolkit.agreement import agree
+from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped, UsageError
 from toolkit.randomness import reseed_global_rng, step_seed
@@ -110,6 +112,12 @@ def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) 
     else:
         total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
     return min(total, config.max_steps) if config.max_steps is not None else total
+
+
+# Callables hook(loop) run after every optimizer step, once the loop has done its own work for it (logged, evaluated,
+# saved when due): for tools and tests that must act at an exact step (fault injection: stop or kill the process
+# right after step N is logged; profilers). Append to it before the loop runs; the recipes never use it.
+AFTER_STEP_HOOKS: list[Callable[[TrainingLoop], None]] = []
 
 
 def rest_of_epoch(accelerator, loader, batches_done: int):
@@ -209,7 +217,7 @@ class TrainingLoop:
             self.stopped = True  # resumed at or past --max-steps: no step beyond it
         while self.progress.epoch < cfg.epochs and not self.stopped:
             yield self.progress.epoch
-            if self._agree(stop=self._stop_request is not None)[2] and not self.stopped:
+            if agree(self.accelerator, stop=self._stop_request is not None).stop and not self.stopped:
                 self._take_stop_request()
             if self._save_due:
                 self.save()
@@ -247,6 +255,8 @@ class TrainingLoop:
             if accelerator.sync_gradients:
                 progress.global_step += 1
                 self._after_optimizer_step(end_of_epoch=progress.batches_done >= len(loader))
+                for hook in AFTER_STEP_HOOKS:
+                    hook(self)
             if self.stopped:
                 return
 
@@ -281,14 +291,6 @@ class TrainingLoop:
         final step is evaluated and checkpointed, and `reason` goes into summary.json."""
         self._stop_request = reason
 
-    def _agree(self, preempt: bool = False, diverged: bool = False, stop: bool = False) -> tuple[bool, bool, bool]:
-        """One all-reduce: has ANY rank been pre-empted, seen a non-finite loss, or been asked to stop?"""
-        if self.accelerator.num_processes == 1:
-            return preempt, diverged, stop  # nobody to agree with: no tensor, no collective (every step)
-        flags = torch.tensor([preempt, diverged, stop], dtype=torch.float32, device=self.accelerator.device)
-        flags = self.accelerator.reduce(flags, reduction="sum")
-        return tuple(bool(v > 0) for v in flags.tolist())
-
     def _take_stop_request(self) -> None:
         self.progress.stop_reason = self._stop_request or "stop requested on another rank"
         self.stopped = True
@@ -306,8 +308,9 @@ class TrainingLoop:
             progress.first_loss = step_loss
         ratio = cfg.max_loss_ratio
         exploded = bool(ratio) and math.isfinite(step_loss) and abs(step_loss) > ratio * abs(progress.first_loss)
-        preempted, diverged, stop = self._agree(preemption._requested, not math.isfinite(step_loss) or exploded,
-                                                self._stop_request is not None)
+        agreed = agree(self.accelerator, preempted=preemption._requested,
+                       diverged=not math.isfinite(step_loss) or exploded, stop=self._stop_request is not None)
+        preempted, diverged, stop = agreed.preempted, agreed.diverged, agreed.stop
         if diverged:
             if math.isfinite(step_loss) and exploded:
                 self._diverged(f"the training loss exploded to {step_loss:.4g} at step {progress.global_step}, more "
@@ -345,11 +348,11 @@ class TrainingLoop:
         new_best = False
         if cfg.eval_every_steps and self._evaluation_due():
             self._evaluate_and_record()
-            if self._agree(stop=self._stop_request is not None)[2]:  # e.g. early stopping decided in evaluate()
+            if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
                 self._take_stop_request()
                 return  # the loop's end saves this step, with the stop reason in it
             new_best = progress.best_step == progress.global_step  # mid-epoch: load_best() needs its checkpoint
-        if new_best or (cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0):
+        if mid_epoch_save_due(cfg.checkpoint_every, progress.global_step, new_best):
             self.save()
 
     def _checkpoint_requeue_and_exit(self) -> None:
@@ -395,7 +398,7 @@ class TrainingLoop:
         due = self._evaluation_due()
         metrics = self._evaluate_and_record(scheduled=due) if due or last else None
         new_best = metrics is not None and progress.best_step == step
-        self._save_due = last or new_best or cfg.checkpoint_every == 0 or step % cfg.checkpoint_every == 0
+        self._save_due = epoch_end_save_due(cfg.checkpoint_every, step, new_best, last)
         return metrics
 
     def _final_evaluation_and_save(self) -> None:
@@ -404,11 +407,9 @@ class TrainingLoop:
         self.save()
 
     def _evaluation_due(self) -> bool:
-        """Does the cadence ask for an evaluation at this point (--eval-every-steps, or an --eval-every epoch end)?"""
         cfg, progress = self.config, self.progress
-        if cfg.eval_every_steps:
-            return progress.global_step % cfg.eval_every_steps == 0
-        return progress.batches_done == 0 and progress.epoch % cfg.eval_every == 0
+        return evaluation_due(cfg.eval_every_steps, cfg.eval_every, progress.global_step, progress.epoch,
+                              progress.batches_done)
 
     def _evaluate_and_record(self, scheduled: bool = True) -> dict:
         """Evaluate, refuse non-finite metrics, update the best, write the metrics.csv row, log.
