@@ -2,7 +2,7 @@
 reseeding, timing, progress bar, evaluation and checkpoint cadence, best-checkpoint tracking, early stopping,
 non-finite guards, the summary.
 
-A recipe keeps the parts that are its own (forward, loss, backward, optimizer step, evaluation) and reads:
+A recipe keeps the parts that are its own (forward, loss, evaluation) and reads:
 
     loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric="val_ndcg",
                         state={"scaler": scaler}, rank_state={"carry": carry})
@@ -10,13 +10,15 @@ A recipe keeps the parts that are its own (forward, loss, backward, optimizer st
     for epoch in loop.epochs():
         for batch in loop.batches():                 # may evaluate and checkpoint between steps (cadence)
             with accelerator.accumulate(model):
-                loss = ...; accelerator.backward(loss); optimizer.step(); ...
-            loop.record_loss(loss)
+                loss, loss_value = ...; accelerator.backward(loss)
+                loop.optimizer_step(optimizer, scheduler, loss=loss_value)   # clip, step, zero, record
         metrics = loop.end_epoch()                   # evaluates and checkpoints when due
         if should_stop(metrics): loop.request_stop("no improvement for 5 evaluations")
-    loop.load_best()                                 # the best validation weights
-    test_metrics = loop.test(run_test)               # no_grad; exports, Jacobians etc. may follow (with grad)
-    summary = loop.finish()                          # summary.json, curves.png, trackers end, process group ends
+    return loop.finish_at_best(run_test)             # best weights, test, summary.json, trackers and group end
+
+(or loop.load_best(); loop.test(run_test); exports, Jacobians etc. with grad; loop.finish()). Its parts live in
+their own modules: toolkit.cadence (when to evaluate and save), toolkit.agreement (what the ranks decide together),
+toolkit.meter (timing, utilisation, the progress bar, a row's measured columns), toolkit.checkpoint (the files).
 
 Cadence: evaluations every --eval-every epochs, or every --eval-every-steps optimizer steps; checkpoints every
 --checkpoint-every steps (else at each epoch end), always AFTER the evaluation of the same step, and at the end.
@@ -41,7 +43,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
@@ -51,6 +52,7 @@ from toolkit.agreement import agree
 from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped, UsageError
+from toolkit.meter import StepMeter
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
 from toolkit.tracking import (
@@ -87,21 +89,6 @@ class Progress:
     wall_time_sec: float = 0.0  # wall time of the work this checkpoint keeps, summed over the run's lives
     file_bytes: dict = field(default_factory=dict)  # metrics.csv / log.csv sizes when this checkpoint was saved
     first_loss: float | None = None  # the first step's training loss: --max-loss-ratio compares against it
-
-
-GPU_SAMPLE_SEC = 1.0  # at most one GPU utilisation reading (NVML) a second
-
-
-@dataclass
-class _IntervalTimer:
-    """Time and samples since the last metrics row (an epoch, several, or --eval-every-steps steps)."""
-
-    started: float = field(default_factory=time.perf_counter)
-    data_sec: float = 0.0
-    compute_sec: float = 0.0
-    samples: int = 0
-    gpu_util: list = field(default_factory=list)
-    gpu_sampled_at: float = float("-inf")
 
 
 def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) -> int:
@@ -150,7 +137,6 @@ class TrainingLoop:
         self.train_loader = train_loader
         self.steps_per_epoch = math.ceil(len(train_loader) / run.config.grad_accum)
         self.accelerator = run.accelerator
-        self._reads_gpu_utilisation = self.accelerator.device.type == "cuda"
         self.config = run.config
         self.model = model
         self.evaluate_fn = evaluate
@@ -165,9 +151,7 @@ class TrainingLoop:
         self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
         self._last_saved_step: int | None = None
         self._pending_loss: list[torch.Tensor] = []
-        self._bar = None
-        self._postfix_at = float("-inf")  # when the progress bar's postfix was last formatted
-        self._timer = _IntervalTimer()
+        self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main)
         self._test_metrics: dict = {}
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
@@ -208,9 +192,7 @@ class TrainingLoop:
         cfg = self.config
         if not self.run.begun:
             raise RuntimeError("call loop.start() before iterating loop.epochs()")
-        if self.run.is_main and self._bar is None:
-            self._bar = tqdm(total=self.total_steps, initial=self.progress.global_step, unit="step",
-                             dynamic_ncols=True, desc=self.run.recipe)
+        self.meter.open_bar(self.total_steps, self.progress.global_step, self.run.recipe)
         if self.progress.stop_reason:
             self.stopped = True
         if cfg.max_steps is not None and self.progress.global_step >= cfg.max_steps:
@@ -231,9 +213,7 @@ class TrainingLoop:
         loader.set_epoch(progress.epoch)  # the sampler's order is a function of (data seed, epoch)
         iterable = rest_of_epoch(accelerator, loader, progress.batches_done)
         accelerator.step = 0  # Accelerate's accumulation counter: windows restart with the epoch, also on resume
-        psutil.cpu_percent()  # starts the CPU-utilisation window
-        if self._timer.samples == 0:  # the interval's time starts with its training, not with a save before it
-            self._timer = _IntervalTimer()
+        self.meter.begin_epoch()
         iterator = iter(iterable)
         while True:
             fetch_start = time.perf_counter()
@@ -243,15 +223,14 @@ class TrainingLoop:
                 require_whole_epoch(progress.batches_done, len(loader), progress.epoch)
                 return
             compute_start = time.perf_counter()
-            self._timer.data_sec += compute_start - fetch_start
+            self.meter.fetched(compute_start - fetch_start)
             key = progress.epoch * 1_000_003 + progress.batches_done
             reseed_global_rng(step_seed(cfg.seed, key, accelerator.process_index))
             randomness.begin_micro_batch(cfg.seed, key, accelerator.process_index, accelerator.num_processes)
             yield batch
             progress.batches_done += 1
             progress.samples_seen += cfg.batch_size
-            self._timer.samples += cfg.batch_size
-            self._timer.compute_sec += time.perf_counter() - compute_start
+            self.meter.computed(cfg.batch_size, time.perf_counter() - compute_start)
             if accelerator.sync_gradients:
                 progress.global_step += 1
                 self._after_optimizer_step(end_of_epoch=progress.batches_done >= len(loader))
@@ -303,7 +282,7 @@ class TrainingLoop:
         self._pending_loss.clear()
         step_loss = sum(losses) / len(losses) if losses else float("nan")
         if self._compile_report is not None:  # --compile: the first step's compute, said once (toolkit/compilation.py)
-            self._compile_report = self._compile_report(self._timer.compute_sec)
+            self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if progress.first_loss is None and math.isfinite(step_loss):
             progress.first_loss = step_loss
         ratio = cfg.max_loss_ratio
@@ -318,25 +297,9 @@ class TrainingLoop:
             self._diverged(f"the training loss is {step_loss} at step {progress.global_step}")
         progress.interval_loss_sum += sum(losses)
         progress.interval_loss_count += len(losses)
-        if self._bar is not None and not self._bar.disable:  # (disabled, e.g. TQDM_DISABLE: no mininterval)
-            now = time.perf_counter()
-            # The postfix is formatted only as often as tqdm may draw it (mininterval), and never forces a redraw
-            # (set_postfix's default): a redraw every step costs ~20 us and writes a line per step into a log file.
-            if now - self._postfix_at >= self._bar.mininterval:
-                self._postfix_at = now
-                rate = self._timer.samples / max(now - self._timer.started, 1e-9)
-                self._bar.set_postfix(epoch=progress.epoch, loss=f"{step_loss:.4f}", samples_per_s=f"{rate:.0f}",
-                                      refresh=False)
-            self._bar.update(1)
+        self.meter.stepped(progress.epoch, step_loss)
         if progress.global_step % cfg.log_every == 0:
             self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
-        if self._reads_gpu_utilisation:
-            # NVML averages utilisation over its own sample period (1/6 s to 1 s): one reading a second is all there
-            # is to read, and asking every step cost the step time of tiny models on the GPU
-            now = time.perf_counter()
-            if now - self._timer.gpu_sampled_at >= GPU_SAMPLE_SEC:
-                self._timer.gpu_sampled_at = now
-                self._timer.gpu_util.append(_gpu_utilisation())
         if preempted:
             self._checkpoint_requeue_and_exit()
         if stop:
@@ -366,8 +329,7 @@ class TrainingLoop:
                 sys.stdout.flush()
 
             preemption.requeue_job(self.config.max_requeues, announce)
-        if self._bar is not None:
-            self._bar.close()
+        self.meter.close_bar()
         shutdown.end_process_group(self.accelerator)  # all ranks leave together
         raise SystemExit(0)
 
@@ -375,8 +337,7 @@ class TrainingLoop:
         progress = self.progress
         kept = checkpoint.newest_complete(self.run.output_dir)
         best = f"step_{progress.best_step}" if progress.best_step is not None else "none yet"
-        if self._bar is not None:
-            self._bar.close()
+        self.meter.close_bar()
         raise TrainingStopped(
             f"{what}: the run stopped without saving this step; the last good checkpoint "
             f"({kept.name if kept else 'none'}) and the best one ({best}) are kept and no result is reported; "
@@ -417,10 +378,10 @@ class TrainingLoop:
         The row's train_loss is the mean since the previous scheduled evaluation; an unscheduled one (the end of a
         run stopped by --max-steps or a request) does not restart that mean, so a run resumed past it writes the
         rows an uninterrupted run writes."""
-        progress, timer = self.progress, self._timer
+        progress = self.progress
         # The row's interval is the training since the last row (its steps, and the checkpoint saved after that
         # row): read before evaluating, so epoch_time_sec and throughput leave the evaluation out.
-        interval = time.perf_counter() - timer.started
+        interval = self.meter.interval_seconds()
         self.model.eval()
         with torch.no_grad():
             metrics = self.evaluate_fn()
@@ -432,20 +393,13 @@ class TrainingLoop:
         progress.last_metrics = metrics
         progress.last_eval_step = progress.global_step
         train_loss = progress.interval_loss_sum / progress.interval_loss_count if progress.interval_loss_count else None
-        util = [u for u in timer.gpu_util if u is not None]
-        timed = timer.samples > 0  # empty timings when nothing was trained since the resume
+        timed = self.meter.timed  # empty timings when nothing was trained since the resume
         row = {
             "epoch": progress.epoch + (1 if progress.batches_done else 0),  # 1-based: the epoch the step is in
             "step": progress.global_step,
             "train_loss": train_loss,
             **metrics,
-            "epoch_time_sec": round(interval, 4) if timed else None,
-            "throughput_samples_per_sec": round(timer.samples / max(interval, 1e-9), 2) if timed else None,
-            "data_load_time_sec": round(timer.data_sec, 4) if timed else None,
-            "compute_time_sec": round(timer.compute_sec, 4) if timed else None,
-            "cpu_util_avg": psutil.cpu_percent(),
-            "gpu_util_avg": round(sum(util) / len(util), 1) if util else None,
-            "peak_memory_mb": _peak_memory_mb(self.accelerator.device),
+            **self.meter.timing_columns(interval),
             "world_size": self.accelerator.num_processes,
         }
         progress.train_time_sec += interval if timed else 0.0
@@ -458,7 +412,7 @@ class TrainingLoop:
         self.accelerator.log(dict(metrics) | {"train/mean_loss": train_loss or 0.0}, step=progress.global_step)
         if scheduled:
             progress.interval_loss_sum, progress.interval_loss_count = 0.0, 0
-        self._timer = _IntervalTimer()
+        self.meter.new_interval()
         return metrics
 
     def _update_best(self, metrics: dict) -> bool:
@@ -496,8 +450,7 @@ class TrainingLoop:
     def load_best(self) -> Path | None:
         """Load the best-validation weights (if they are not the current ones); returns their checkpoint."""
         progress = self.progress
-        if self._bar is not None:
-            self._bar.close()
+        self.meter.close_bar()
         if progress.best_step is None:
             return None
         best_checkpoint = checkpoint.checkpoints_root(self.run.output_dir) / f"step_{progress.best_step}"
@@ -528,8 +481,7 @@ class TrainingLoop:
     def finish(self, extra: dict | None = None) -> dict:
         """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
         progress, run = self.progress, self.run
-        if self._bar is not None:
-            self._bar.close()
+        self.meter.close_bar()
         best_checkpoint = None
         if progress.best_step is not None:
             best_checkpoint = checkpoint.checkpoints_root(run.output_dir) / f"step_{progress.best_step}"
@@ -588,20 +540,3 @@ def _size(path: Path) -> int:
 
 def _short(value):
     return f"{value:.4f}" if isinstance(value, float) else value
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    """The most memory this process has held so far: on a GPU, what PyTorch's allocator handed out on it (the
-    figure that must fit on the card); on the CPU, the process's peak resident set (Linux: ru_maxrss in KiB)."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def _gpu_utilisation() -> float | None:
-    try:
-        return float(torch.cuda.utilization())
-    except Exception:  # needs pynvml / NVML; the column stays empty without it
-        return None
