@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint, compilation, extras, preemption, randomness, shutdown
@@ -52,18 +50,17 @@ from toolkit.agreement import agree
 from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped, UsageError
+from toolkit.keeper import CheckpointKeeper
 from toolkit.meter import StepMeter
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
 from toolkit.tracking import (
     LEADING_COLUMNS,
-    LOG_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
     MetricsFile,
     format_table,
     plot_curves,
-    truncate_to_bytes,
     write_json,
 )
 
@@ -149,7 +146,7 @@ class TrainingLoop:
         self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
         self._stop_request: str | None = None
         self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
-        self._last_saved_step: int | None = None
+        self.keeper = CheckpointKeeper(run, model, self.shared_state, self.rank_state)
         self._pending_loss: list[torch.Tensor] = []
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main)
         self._test_metrics: dict = {}
@@ -173,16 +170,11 @@ class TrainingLoop:
                     f"{self.accelerator.num_processes}"
                 )
         run.begin()
-        if run.resume_checkpoint is None:
+        saved = self.keeper.resume()
+        if saved is None:
             return
-        saved = checkpoint.load_checkpoint(self.accelerator, run.resume_checkpoint, self.shared_state,
-                                           self.rank_state)
         known = {f.name for f in dataclasses.fields(Progress)}
         self.progress = Progress(**{k: v for k, v in saved.items() if k in known})
-        self._last_saved_step = self.progress.global_step
-        if run.is_main:  # what a later life wrote after this checkpoint is written again
-            for name, size in self.progress.file_bytes.items():
-                truncate_to_bytes(run.output_dir / name, size)
         where = self.progress
         run.print(f"resumed at epoch {where.epoch}, batch {where.batches_done}, step {where.global_step}")
 
@@ -431,20 +423,13 @@ class TrainingLoop:
         return better
 
     def save(self) -> None:
-        """A complete checkpoint of the current position (collective)."""
-        step = self.progress.global_step
-        if self._last_saved_step == step:
+        """A complete checkpoint of the current position (collective), once per step."""
+        if self.keeper.saved(self.progress.global_step):
             return
-        if self.run.is_main:
-            self.progress.file_bytes = {name: _size(self.run.output_dir / name) for name in (METRICS_FILE, LOG_FILE)}
         now = time.perf_counter()
         self.progress.wall_time_sec += now - self._wall_mark
         self._wall_mark = now
-        checkpoint.save_checkpoint(self.accelerator, self.run.output_dir, step, dataclasses.asdict(self.progress),
-                                   self.shared_state, self.rank_state, say=tqdm.write)
-        self._last_saved_step = step
-        protect = {self.progress.best_step} if self.progress.best_step is not None else set()
-        checkpoint.prune_checkpoints(self.accelerator, self.run.output_dir, self.config.keep_checkpoints, protect)
+        self.keeper.save(self.progress)
 
     # ---- the end --------------------------------------------------------------------------------------------
     def load_best(self) -> Path | None:
@@ -453,9 +438,9 @@ class TrainingLoop:
         self.meter.close_bar()
         if progress.best_step is None:
             return None
-        best_checkpoint = checkpoint.checkpoints_root(self.run.output_dir) / f"step_{progress.best_step}"
+        best_checkpoint = self.keeper.step_dir(progress.best_step)
         if progress.best_step != progress.global_step:
-            self.load_weights(best_checkpoint)
+            self.keeper.load_weights(best_checkpoint)
         return best_checkpoint
 
     def test(self, run_test) -> dict:
@@ -484,7 +469,7 @@ class TrainingLoop:
         self.meter.close_bar()
         best_checkpoint = None
         if progress.best_step is not None:
-            best_checkpoint = checkpoint.checkpoints_root(run.output_dir) / f"step_{progress.best_step}"
+            best_checkpoint = self.keeper.step_dir(progress.best_step)
         summary = {
             "recipe": run.recipe,
             "run_name": run.run_name,
@@ -521,21 +506,11 @@ class TrainingLoop:
         return summary
 
     def load_weights(self, checkpoint_dir: Path) -> None:
-        # Read on the CPU; load_state_dict copies onto the model's device. (A multi-process CPU run's device is
-        # "cpu:0", which safetensors refuses as a device name.)
-        state = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
-        self.accelerator.unwrap_model(self.model).load_state_dict(state)
+        self.keeper.load_weights(checkpoint_dir)
 
     @property
     def total_steps(self) -> int:
         return total_training_steps(self.config, self.batches_per_epoch or len(self.train_loader))
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _short(value):
