@@ -35,3 +35,60 @@ def test_one_process_agrees_with_itself_by_name(flags):
     assert agreed == Agreement(**flags)
     assert (agreed.preempted, agreed.diverged, agreed.stop) == tuple(flags.get(k, False)
                                                                      for k in ("preempted", "diverged", "stop"))
+
+
+AGREE = """
+import json, sys
+import toolkit  # noqa: F401
+from accelerate import Accelerator
+from toolkit.agreement import agree
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+seen = {"world": accelerator.num_processes,
+        "stop_on_rank_1": agree(accelerator, stop=rank == 1).__dict__,
+        "diverged_on_rank_0": agree(accelerator, diverged=rank == 0).__dict__,
+        "preempted_on_both": agree(accelerator, preempted=True).__dict__,
+        "nothing": agree(accelerator).__dict__}
+json.dump(seen, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_what_either_one_saw(tmp_path):
+    import json
+
+    from tests.conftest import run_recipe
+
+    (tmp_path / "agree.py").write_text(AGREE)
+    run_recipe([str(tmp_path)], config="cpu_2proc.yaml", recipe=str(tmp_path / "agree.py"), timeout=300)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0] == seen[1]
+    assert seen[0]["world"] == 2
+    assert seen[0]["stop_on_rank_1"] == {"preempted": False, "diverged": False, "stop": True}
+    assert seen[0]["diverged_on_rank_0"] == {"preempted": False, "diverged": True, "stop": False}
+    assert seen[0]["preempted_on_both"] == {"preempted": True, "diverged": False, "stop": False}
+    assert seen[0]["nothing"] == {"preempted": False, "diverged": False, "stop": False}
+
+
+def test_the_keeper_prunes_to_keep_checkpoints_and_spares_the_best(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from toolkit import checkpoint
+    from toolkit.keeper import CheckpointKeeper
+    from toolkit.loop import Progress
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    run = SimpleNamespace(accelerator=accelerator, output_dir=tmp_path, is_main=True, resume_checkpoint=None,
+                          config=SimpleNamespace(keep_checkpoints=1))
+    keeper = CheckpointKeeper(run, model, {}, {})
+    progress = Progress(run_id="x")
+    for step, best in ((1, 1), (2, 2), (3, 2), (4, 2)):  # the best stays step 2 from step 2 on
+        progress.global_step, progress.best_step = step, best
+        keeper.save(progress)
+        assert keeper.saved(step)
+    kept = [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(tmp_path)]
+    assert kept == [2, 4]  # the newest (keep 1) and the best
+    assert checkpoint.read_progress(keeper.step_dir(4))["best_step"] == 2
