@@ -498,11 +498,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --cpu: compile every recipe, not only the UFS MLP (minutes each on 2 cores)")
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES), metavar="RECIPE",
                         help=f"the recipes of the precision and throughput sections ({', '.join(RECIPES)})")
+    parser.add_argument("--hrm-steps", type=int, default=None, metavar="N",
+                        help="steps of the hrm-sudoku-1k check (default: the profile's; 2,000 take ~45 min on an H100 "
+                             "today, so a lease wants a few hundred)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                         metavar="PRECISION", help=f"the precisions of the precision section ({', '.join(PRECISIONS)})")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
                         help=f"run only these sections ({', '.join(SECTIONS)})")
     args = parser.parse_args(argv)
+    if args.hrm_steps is not None and args.hrm_steps < 4:
+        return refuse(f"--hrm-steps {args.hrm_steps} is too few; give at least 4 (the loss is compared over them)")
     if args.out.is_dir():
         return refuse(f"--out {args.out} is a directory; give a file name, e.g. {args.out}/REPORT.md")
 
@@ -517,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = (cpu_profile if args.cpu else gpu_profile)(data, args.cache_dir)
     if args.compile_all:
         profile.compile_recipes = RECIPES
+    if args.hrm_steps is not None:
+        profile.hrm_steps = args.hrm_steps
     budget = args.budget_min if args.budget_min is not None else (1e9 if args.cpu else 20.0)
     proof = Proof(profile, workdir, args.out, budget * 60)
     proof.machine = machine_line(profile)

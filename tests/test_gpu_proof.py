@@ -71,3 +71,16 @@ def test_without_cuda_it_asks_for_the_cpu_profile_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1].endswith(
         "error: CUDA is not available on this machine; run with --cpu for the same sequence on CPU configs")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hrm_steps_sets_the_sudoku_check_and_too_few_is_one_line(tmp_path, movielens_cache):
+    few = subprocess.run([sys.executable, PROOF, "--out", str(tmp_path / "R.md"), "--cpu", "--hrm-steps", "2"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert few.returncode == 2 and few.stderr.strip().splitlines() == [
+        "error: --hrm-steps 2 is too few; give at least 4 (the loss is compared over them)"]
+    assert list(tmp_path.iterdir()) == []
+    done = subprocess.run([sys.executable, PROOF, "--out", str(tmp_path / "R.md"), "--cpu", "--only", "hrm-sudoku-1k",
+                           "--hrm-steps", "8", "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    report = (tmp_path / "R.md").read_text()
+    assert "| hrm-sudoku-1k | first 8 steps | PASS |" in report, done.stdout + done.stderr
