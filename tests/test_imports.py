@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-LEAVES = ("toolkit.errors", "toolkit.console")  # imported by everything, so they import nothing of the toolkit
+LEAVES = ("toolkit.errors", "toolkit.console", "toolkit.rundir")  # imported widely: they import nothing of ours
 
 
 def toolkit_imports() -> dict[str, set[str]]:
@@ -91,3 +91,11 @@ def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
             main()
         assert exited.value.code == status
         assert capfd.readouterr().err.splitlines() == [f"error: {error}"]
+
+
+def test_the_run_directory_layout_is_named_once():
+    """No module of the toolkit spells a run directory's file names itself: they come from toolkit.rundir."""
+    names = ('"config.json"', '"summary.json"', '"metrics.csv"', '"log.csv"', '"model.safetensors"')
+    spelled = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "toolkit").rglob("*.py"))
+               if path.name != "rundir.py" for name in names if name in path.read_text()]
+    assert spelled == []

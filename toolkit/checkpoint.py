@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from toolkit.errors import RunFailed, UsageError
+from toolkit.rundir import RunDir
 
 MARKER = "COMPLETE"
 PROGRESS_FILE = "progress.json"
@@ -36,7 +37,7 @@ _PREFIX = "step_"
 
 
 def checkpoints_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def step_of(path: Path) -> int | None:

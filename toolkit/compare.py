@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from toolkit import extras
 from toolkit.errors import UsageError
+from toolkit.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
 
 PICTURE = "compare.png"
 # Flags that never change what a step computes (toolkit.run.RESUMABLE_CHANGES says which may change at a resume),
@@ -68,20 +68,12 @@ def find_runs(dirs: list[Path]) -> list[Path]:
             raise UsageError(f"{directory} does not exist; give a run directory or a directory of runs")
         if not directory.is_dir():
             raise UsageError(f"{directory} is a file; give a run directory or a directory of runs")
-        runs = [directory] if (directory / "config.json").is_file() else sorted(
-            p.parent for p in directory.rglob("config.json") if "checkpoints" not in p.parts)
+        runs = [directory] if RunDir(directory).is_run() else sorted(
+            p.parent for p in directory.rglob(CONFIG_FILE) if CHECKPOINTS_DIR not in p.parts)
         if not runs:
             raise UsageError(f"{directory} holds no run (no config.json under it); give run directories or a sweep")
         found += [run for run in runs if run not in found]
     return found
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _number(value) -> float | None:
@@ -94,11 +86,11 @@ def _number(value) -> float | None:
 
 def load_run(path: Path, metric: str | None, say=print) -> RunResult | None:
     """The run's results, or None (after one line saying why) when it cannot be compared."""
-    config = _read_json(path / "config.json")
+    config = RunDir(path).read_config()
     if config is None or not isinstance(config.get("config"), dict):
         say(f"skipped {path}: its config.json is unreadable")
         return None
-    summary = _read_json(path / "summary.json")
+    summary = RunDir(path).read_summary()
     if summary is None:
         say(f"skipped {path}: not finished (no summary.json; continue it with --resume-from auto)")
         return None
@@ -110,7 +102,7 @@ def load_run(path: Path, metric: str | None, say=print) -> RunResult | None:
     main = metric or summary.get("main_metric") or next(iter(summary.get("final_metrics") or {}), None)
     rates = []
     try:
-        with open(path / "metrics.csv", newline="") as handle:
+        with open(RunDir(path).metrics, newline="") as handle:
             for row in csv.DictReader(handle):
                 value, step = _number(row.get(main)), _number(row.get("step"))
                 if value is not None and step is not None:

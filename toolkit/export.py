@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from toolkit import checkpoint, extras
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
+from toolkit.rundir import MODEL_FILE, RunDir
 
 FILL_VALUE = 1.0e30  # CICE's spval: what its history files hold outside the ocean
 PREDICT_CHUNK = 16384  # points per call: bounds the [chunk, width, inputs] Jacobian chain in memory
@@ -67,7 +68,7 @@ def best_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     """The checkpoint to export: --step, else the best-validation step (summary.json, else the newest complete
     checkpoint's progress); refused when incomplete or damaged."""
     if step is None:
-        summary_path = run_dir / "summary.json"
+        summary_path = RunDir(run_dir).summary
         if summary_path.is_file():
             step = _read_json(summary_path, "the run's summary").get("best_step")
         else:
@@ -113,13 +114,13 @@ def load_run(run_dir: Path | str, step: int | None = None) -> tuple[torch.nn.Mod
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a directory; give a run directory (runs/<recipe>/<run>)")
-    info = _read_json(run_dir / "config.json", "the run's settings")
+    info = _read_json(RunDir(run_dir).config, "the run's settings")
     recipe = info.get("recipe")
     if recipe not in EXPORTABLE:
         raise UsageError(f"{run_dir} is a run of {recipe!r}; export supports {', '.join(EXPORTABLE)}")
     found = best_checkpoint(run_dir, step)
     config, data = info["config"], info.get("data") or {}
-    model = EXPORTABLE[recipe](config, load_file(str(found / "model.safetensors")))
+    model = EXPORTABLE[recipe](config, load_file(str(found / MODEL_FILE)))
     meta = {
         "recipe": recipe,
         "run_dir": str(run_dir),

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint
-from toolkit.tracking import LOG_FILE, METRICS_FILE, truncate_to_bytes
+from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE
+from toolkit.tracking import truncate_to_bytes
 
 
 class CheckpointKeeper:
@@ -58,7 +59,7 @@ class CheckpointKeeper:
     def load_weights(self, checkpoint_dir: Path) -> None:
         # Read on the CPU; load_state_dict copies onto the model's device. (A multi-process CPU run's device is
         # "cpu:0", which safetensors refuses as a device name.)
-        state = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
+        state = load_file(str(Path(checkpoint_dir) / MODEL_FILE))
         self.accelerator.unwrap_model(self.model).load_state_dict(state)
 
 

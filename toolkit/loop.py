@@ -54,10 +54,9 @@ from toolkit.keeper import CheckpointKeeper
 from toolkit.meter import StepMeter
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
+from toolkit.rundir import METRICS_FILE, SUMMARY_FILE
 from toolkit.tracking import (
     LEADING_COLUMNS,
-    METRICS_FILE,
-    SUMMARY_FILE,
     MetricsFile,
     format_table,
     plot_curves,

@@ -44,7 +44,8 @@ from toolkit.console import write_line
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
 from toolkit.errors import ONE_LINE, UsageError, same_failure
-from toolkit.tracking import LOG_FILE, METRICS_FILE, tracker_choice, tracker_init_kwargs
+from toolkit.rundir import CONFIG_FILE, LOG_FILE, METRICS_FILE
+from toolkit.tracking import tracker_choice, tracker_init_kwargs
 
 # Accelerate's optimizer asks importlib whether lomo_optim is installed twice in every step() (two find_spec calls,
 # ~40 us a step: a third of the toolkit's cost on the UFS MLP's 1.3 ms step, benchmarks/overhead.py). What is
@@ -65,7 +66,7 @@ accelerate.optimizer.inspect = types.SimpleNamespace(
 )
 
 RUNS_ROOT = Path("runs")
-CONFIG_FILE = "config.json"
+
 DEAD_LIFE_FILES = (METRICS_FILE, LOG_FILE)  # rows a life writes before its first checkpoint
 
 

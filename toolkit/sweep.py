@@ -33,6 +33,7 @@ from pathlib import Path
 
 from toolkit.config import CHECK_ARGS
 from toolkit.errors import UsageError
+from toolkit.rundir import RunDir
 
 MANIFEST = "sweep.json"
 SET_BY_THE_SWEEP = {"output-dir", "resume-from", "run-name"}  # each run's own; a grid or `--` cannot set them
@@ -153,7 +154,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict]:
 
 
 def finished(run: dict) -> bool:
-    return (Path(run["output_dir"]) / "summary.json").is_file()
+    return RunDir(run["output_dir"]).finished()
 
 
 def launcher(config_file: Path | None) -> list[str]:

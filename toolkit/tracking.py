@@ -16,10 +16,8 @@ from accelerate.tracking import GeneralTracker
 
 from toolkit import extras
 from toolkit.errors import UsageError
+from toolkit.rundir import LOG_FILE, METRICS_FILE
 
-METRICS_FILE = "metrics.csv"
-LOG_FILE = "log.csv"
-SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
 
 # metrics.csv columns around the recipe's own validation metrics (which go between train_loss and the timings).

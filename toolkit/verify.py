@@ -31,16 +31,9 @@ from pathlib import Path
 
 from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.tracking import (
-    CURVES_FILE,
-    LEADING_COLUMNS,
-    METRICS_FILE,
-    OPTIONAL_COLUMNS,
-    SUMMARY_FILE,
-    TRAILING_COLUMNS,
-)
+from toolkit.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from toolkit.tracking import CURVES_FILE, LEADING_COLUMNS, OPTIONAL_COLUMNS, TRAILING_COLUMNS
 
-CONFIG_FILE = "config.json"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
