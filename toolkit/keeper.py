@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint
-from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE
+from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
 from toolkit.tracking import truncate_to_bytes
 
 
@@ -54,7 +54,7 @@ class CheckpointKeeper:
         checkpoint.prune_checkpoints(self.accelerator, run.output_dir, run.config.keep_checkpoints, protect)
 
     def step_dir(self, step: int) -> Path:
-        return checkpoint.checkpoints_root(self.run.output_dir) / f"step_{step}"
+        return RunDir(self.run.output_dir).step(step)
 
     def load_weights(self, checkpoint_dir: Path) -> None:
         # Read on the CPU; load_state_dict copies onto the model's device. (A multi-process CPU run's device is

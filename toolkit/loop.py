@@ -504,9 +504,6 @@ class TrainingLoop:
         shutdown.end_process_group(self.accelerator)
         return summary
 
-    def load_weights(self, checkpoint_dir: Path) -> None:
-        self.keeper.load_weights(checkpoint_dir)
-
     @property
     def total_steps(self) -> int:
         return total_training_steps(self.config, self.batches_per_epoch or len(self.train_loader))
