@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
 from toolkit.data.traffic import (
     OUTPUT_STEPS,
     baseline_metrics,
@@ -55,8 +55,9 @@ from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import masked_error_sums
 from toolkit.models.dcrnn import DCRNN, sampling_probability
+from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import keyed_uniform
-from toolkit.run import main_process_first, start_run
+from toolkit.run import Run, main_process_first, start_run
 from toolkit.tracking import format_table
 
 TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
@@ -118,8 +119,7 @@ def check(cfg: DCRNNConfig) -> None:
         )
     if not (cfg.max_speed > 0 and math.isfinite(cfg.max_speed)):
         raise UsageError(f"--max-speed {cfg.max_speed} is invalid; give a finite speed > 0 (mph)")
-    if not 0 < cfg.lr_decay <= 1:
-        raise UsageError(f"--lr-decay {cfg.lr_decay} is invalid; it must be in (0, 1]")
+    require_range(cfg, "(0, 1]", "lr_decay")
     if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
         raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
 
@@ -136,7 +136,11 @@ def masked_mae(scaled_prediction: torch.Tensor, truth: torch.Tensor, scaler, acc
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     # The graph supports are constants on every rank: no need for DDP to broadcast them every forward.
-    run = start_run(cfg, recipe="dcrnn", ddp_kwargs={"broadcast_buffers": False})
+    with start_run(cfg, recipe="dcrnn", ddp_kwargs={"broadcast_buffers": False}) as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: DCRNNConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: read, checked and cached by the main process, loaded from the cache by the others -------------
@@ -175,10 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         diffusion_steps=cfg.diffusion_steps,
         horizon=OUTPUT_STEPS,
     )
-    if cfg.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-3)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, eps=1e-3)  # the reference's eps
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)  # as the loop counts them
     milestones = [epoch * steps_per_epoch for epoch in cfg.lr_decay_epochs]
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.lr_decay)
@@ -186,10 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, optimizer, scheduler, train_loader, valid_loader, test_loader
     )
     scaler = split.scaler
-    run.print(
-        f"model: DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters"
-    )
+    run.print(model_line(f"DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}", model))
 
     def forecast_metrics(loader, prefix):
         """Masked errors in mph per horizon; every window counted once (gather_for_metrics drops the padding)."""

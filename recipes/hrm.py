@@ -41,7 +41,6 @@ from __future__ import annotations
 import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -49,15 +48,16 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.sudoku import Recipe, is_csv_folder, load_sudoku, split
 from toolkit.devices import pin_memory
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
-from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses, ratios
+from toolkit.models.hrm import HRM, SparseSignSGD, act_losses, ratios
+from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import keyed_hash
-from toolkit.run import main_process_first, start_run
+from toolkit.run import Run, main_process_first, start_run
 from toolkit.sampler import CrossEpochBatchSampler
 
 EXPLORATION, AUGMENTATION_PICK = 11, 12  # purposes of keyed randomness
@@ -158,16 +158,9 @@ def check(cfg: HRMConfig) -> None:
     require_at_least(cfg, 1, "hidden", "heads", "h_layers", "l_layers", "h_cycles", "l_cycles", "halt_max_steps")
     if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
         raise UsageError(f"--hidden {cfg.hidden} must divide by --heads {cfg.heads} into an even head size")
-    if not 0 <= cfg.exploration_prob <= 1:
-        raise UsageError(f"--exploration-prob {cfg.exploration_prob} is invalid; it must be in [0, 1]")
-    if not (cfg.expansion > 0 and math.isfinite(cfg.expansion)):
-        raise UsageError(f"--expansion {cfg.expansion} is invalid; it must be a finite number > 0")
-    if not (cfg.puzzle_emb_lr > 0 and math.isfinite(cfg.puzzle_emb_lr)):
-        raise UsageError(f"--puzzle-emb-lr {cfg.puzzle_emb_lr} is invalid; it must be a finite number > 0")
-    for name in ["weight_decay", "puzzle_emb_weight_decay"]:
-        if not 0 <= getattr(cfg, name) < float("inf"):
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is invalid; it must be a finite "
-                             "number >= 0")
+    require_range(cfg, "[0, 1]", "exploration_prob")
+    require_finite(cfg, "expansion", "puzzle_emb_lr", inclusive=False)
+    require_finite(cfg, "weight_decay", "puzzle_emb_weight_decay")
     if cfg.warmup_steps < 0:
         raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
     if cfg.grad_accum != 1:
@@ -261,7 +254,11 @@ def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) ->
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     # The puzzle-embedding table is a buffer updated identically on every rank: DDP must not broadcast it.
-    run = start_run(cfg, recipe="hrm", ddp_kwargs={"broadcast_buffers": False})
+    with start_run(cfg, recipe="hrm", ddp_kwargs={"broadcast_buffers": False}) as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: HRMConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: built (or converted) once by the main process, memory-mapped by every rank ---------------------
@@ -297,10 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
                 h_layers=cfg.h_layers, l_layers=cfg.l_layers, h_cycles=cfg.h_cycles, l_cycles=cfg.l_cycles,
                 halt_max_steps=cfg.halt_max_steps, exploration_prob=cfg.exploration_prob, positions=cfg.positions)
-    if cfg.optimizer == "adam-atan2":
-        optimizer = AdamATan2(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                               weight_decay=cfg.weight_decay)
 
     def warmup(steps_done: int) -> float:
         return min(1.0, (steps_done + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -312,9 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     core = accelerator.unwrap_model(model)
     puzzle_optimizer = SparseSignSGD(core.puzzle_emb, cfg.puzzle_emb_lr, cfg.puzzle_emb_weight_decay,
                                      gather=accelerator.gather)
-    run.print(f"model: HRM {cfg.h_layers}+{cfg.l_layers} layers, hidden {cfg.hidden}, {cfg.h_cycles}x{cfg.l_cycles} "
-              f"cycles, at most {cfg.halt_max_steps} segments, {sum(p.numel() for p in core.parameters()):,} "
-              "parameters")
+    run.print(model_line(f"HRM {cfg.h_layers}+{cfg.l_layers} layers, hidden {cfg.hidden}, {cfg.h_cycles}x"
+                         f"{cfg.l_cycles} cycles, at most {cfg.halt_max_steps} segments", core))
 
     carry, train_sums = Carry(), MetricSums()
     loop = TrainingLoop(run, model, train_loader, evaluate=lambda: puzzle_metrics(valid_loader, "val"),

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
@@ -49,8 +49,9 @@ from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
 from toolkit.models.sasrec import SASRec
+from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import sample_negatives
-from toolkit.run import main_process_first, start_run
+from toolkit.run import Run, main_process_first, start_run
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
 
@@ -125,10 +126,8 @@ def check(cfg: SASRecConfig) -> None:
     require_at_least(cfg, 1, "hidden", "blocks", "heads", "maxlen", "time_span", "mhc_streams", "eval_negatives")
     if cfg.hidden % cfg.heads:
         raise UsageError(f"--hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
-    if not 0 <= cfg.dropout < 1:
-        raise UsageError(f"--dropout {cfg.dropout} is invalid; it must be in [0, 1)")
-    if not 0 <= cfg.weight_decay < float("inf"):
-        raise UsageError(f"--weight-decay {cfg.weight_decay} is invalid; it must be a finite number >= 0")
+    require_range(cfg, "[0, 1)", "dropout")
+    require_finite(cfg, "weight_decay")
     if cfg.warmup_steps < 0:
         raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
 
@@ -154,7 +153,11 @@ def next_item_loss(
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
-    run = start_run(cfg, recipe="sasrec")
+    with start_run(cfg, recipe="sasrec") as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: SASRecConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: prepared and cached by the main process, loaded from the cache by the others ----------------
@@ -214,16 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
         dropout=cfg.dropout, norm=cfg.norm, time_aware=time_aware, time_span=cfg.time_span,
         mhc=cfg.variant.endswith("-mhc"), mhc_streams=cfg.mhc_streams,
     )
-    if cfg.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                               weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (cfg.warmup_steps + 1)))
     model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
         model, optimizer, scheduler, train_loader, valid_loader, test_loader
     )
     scorer = accelerator.unwrap_model(model)  # score_items / score_all share the (wrapped) model's weights
-    run.print(f"model: {cfg.variant} ({cfg.norm}-LN), {sum(p.numel() for p in scorer.parameters()):,} parameters")
+    run.print(model_line(f"{cfg.variant} ({cfg.norm}-LN)", scorer))
 
     loop = TrainingLoop(run, model, train_loader, evaluate=lambda: ranking_metrics(valid_loader, "val"),
                         main_metric="val_sampled_ndcg@10")

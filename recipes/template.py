@@ -1,11 +1,11 @@
 """Template: the smallest complete recipe; copy it to start a new family (README, "Writing a recipe").
 
     python recipes/template.py --max-steps 40
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/template.py --resume-from auto
+    python -m toolkit launch --config_file accelerate_configs/cpu_2proc.yaml recipes/template.py --resume-from auto
 
-A two-layer MLP learns y = sin(x . w) on generated data. Everything the toolkit promises holds for it as written:
-bit-exact resume, N processes with global batch B equal to one process with B (KeyedDropout, not nn.Dropout),
-one-line errors, checkpoints, metrics.csv, summary.json and `python -m toolkit verify`.
+A two-layer MLP learns y = sin(x . w) on generated data. All the toolkit promises holds for it as written: bit-exact
+resume, N processes with global batch B equal to one process with B (KeyedDropout, not nn.Dropout), one-line errors,
+checkpoints, metrics.csv, summary.json and `python -m toolkit verify`.
 """
 
 import toolkit  # noqa: F401, I001  first, before torch: SIGUSR1 pre-emption and OpenMP's wait policy
@@ -16,20 +16,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
 from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
+from toolkit.optim import make_optimizer
 from toolkit.randomness import KeyedDropout
-from toolkit.run import start_run
+from toolkit.run import Run, start_run
 from toolkit.sampler import shuffled_batches
 
 
 @dataclass
 class TemplateConfig(TrainConfig):
-    samples: int = 2048
-    """Generated (x, y) pairs; the last 20% are held out (half validation, half test)."""
+    samples: int = 2048  # generated (x, y) pairs; the last 20% are held out (half validation, half test)
     features: int = 8
     hidden: int = 32
     dropout: float = 0.1
@@ -41,8 +41,7 @@ class TemplateConfig(TrainConfig):
 def check(cfg: TemplateConfig) -> None:
     """The recipe's own checks: one line naming the flag, before anything is made (sweeps run them too)."""
     require_at_least(cfg, 1, "samples", "features", "hidden")
-    if not 0 <= cfg.dropout < 1:
-        raise UsageError(f"--dropout {cfg.dropout} is invalid; it must be in [0, 1)")
+    require_range(cfg, "[0, 1)", "dropout")
     if cfg.batch_size > int(0.8 * cfg.samples):
         raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {int(0.8 * cfg.samples)} training samples")
 
@@ -51,18 +50,21 @@ def generated_data(cfg: TemplateConfig) -> tuple[TensorDataset, TensorDataset, T
     generator = torch.Generator().manual_seed(cfg.seed)  # the data is a function of the flags alone
     x = torch.randn(cfg.samples, cfg.features, generator=generator)
     y = torch.sin(x @ torch.randn(cfg.features, 1, generator=generator))
-    train, valid = int(0.8 * cfg.samples), int(0.9 * cfg.samples)
-    return TensorDataset(x[:train], y[:train]), TensorDataset(x[train:valid], y[train:valid]), \
-        TensorDataset(x[valid:], y[valid:])
+    cuts = [0, int(0.8 * cfg.samples), int(0.9 * cfg.samples), cfg.samples]  # train, validation, test
+    return tuple(TensorDataset(x[a:b], y[a:b]) for a, b in zip(cuts, cuts[1:], strict=False))
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(TemplateConfig, argv, description=__doc__, check=check)
-    run = start_run(cfg, recipe="template")
+    with start_run(cfg, recipe="template") as run:  # ends the process group on every path
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: TemplateConfig) -> dict:
     accelerator = run.accelerator
 
-    train_set, valid_set, test_set = generated_data(cfg)
+    train_set, valid_set, test_set = generated_data(cfg)  # then the data, the model, the loop
     run.describe_data(f"sin-{cfg.samples}x{cfg.features}-seed{cfg.seed}", samples=cfg.samples)
     order = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)  # keyed, global
     train_loader = DataLoader(train_set, batch_sampler=order)
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = nn.Sequential(nn.Linear(cfg.features, cfg.hidden), nn.GELU(), KeyedDropout(cfg.dropout),
                           nn.Linear(cfg.hidden, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), lr=cfg.lr)
     model, optimizer, train_loader, valid_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, valid_loader, test_loader)
 
@@ -81,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     loop = TrainingLoop(run, model, train_loader, evaluate=lambda: {"val_mse": mse(valid_loader)},
                         main_metric="val_mse", higher_is_better=False, batches_per_epoch=order.batches_in_epoch)
     loop.start()
-    for _epoch in loop.epochs():
-        model.train()
+    for _epoch in loop.epochs():  # the model is in train mode here (evaluations put it back)
         for x, y in loop.batches():
             with accelerator.accumulate(model):
                 with accelerator.autocast():

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from toolkit import extras
-from toolkit.config import TrainConfig, parse_config, require_at_least
+from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.cache import file_fingerprint
 from toolkit.data.ufs import (
     AUTO,
@@ -64,12 +64,14 @@ from toolkit.data.ufs import (
     load_patterns,
     whole_batch,
 )
+from toolkit.early_stopping import EarlyStopping
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import error_metrics, masked_error_sums
 from toolkit.models.ufs_emulator import UfsEmulator
-from toolkit.run import start_run
+from toolkit.optim import make_optimizer, model_line
+from toolkit.run import Run, start_run
 from toolkit.sampler import shuffled_batches
 from toolkit.tracking import format_table
 
@@ -175,44 +177,18 @@ def check(cfg: UfsConfig) -> None:
                          "--data-atmos out when one file holds every variable")
     require_at_least(cfg, 1, "thin", "hidden", "layers")
     require_at_least(cfg, 0, "max_patterns", "max_patterns_per_rank", "patience", "min_epochs")
-    if not 0 < cfg.val_fraction < 1:
-        raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid; it must be in (0, 1)")
+    require_range(cfg, "(0, 1)", "val_fraction")
     if not (cfg.range_factor == 0 or (cfg.range_factor >= 1 and math.isfinite(cfg.range_factor))):
         raise UsageError(f"--range-factor {cfg.range_factor} is invalid; give a factor >= 1, or 0 for no check")
     if not 0 <= cfg.min_abs_lat <= 90:
         raise UsageError(f"--min-abs-lat {cfg.min_abs_lat} is invalid; give degrees in [0, 90]")
-    if not 0 <= cfg.weight_decay < float("inf"):
-        raise UsageError(f"--weight-decay {cfg.weight_decay} is invalid; it must be a finite number >= 0")
-    if not 0 <= cfg.min_delta < float("inf"):
-        raise UsageError(f"--min-delta {cfg.min_delta} is invalid; it must be a finite number >= 0")
+    require_finite(cfg, "weight_decay", "min_delta")
     for flag, names in (("--inputs", cfg.inputs), ("--outputs", cfg.outputs)):
         if not names or len(set(names)) != len(names):
             raise UsageError(f"{flag} {' '.join(names)} is invalid; give one or more distinct variable names")
     if set(cfg.inputs) & set(cfg.outputs):
         raise UsageError(f"{sorted(set(cfg.inputs) & set(cfg.outputs))[0]} is in both --inputs and --outputs")
     variable_names(cfg)
-
-
-class EarlyStopping:
-    """Evaluations since the validation loss last improved by min_delta (checkpointed: a resume continues it)."""
-
-    def __init__(self, patience: int, min_delta: float):
-        self.patience, self.min_delta = patience, min_delta
-        self.best, self.stale = float("inf"), 0
-
-    def update(self, value: float) -> bool:
-        """Record an evaluation; True when the run should stop."""
-        if value < self.best - self.min_delta:
-            self.best, self.stale = value, 0
-        else:
-            self.stale += 1
-        return bool(self.patience) and self.stale >= self.patience
-
-    def state_dict(self):
-        return {"best": self.best, "stale": self.stale}
-
-    def load_state_dict(self, state):
-        self.best, self.stale = state["best"], state["stale"]
 
 
 def plot_predicted_vs_true(path: Path, predicted: torch.Tensor, true: torch.Tensor, names, units, title: str):
@@ -244,7 +220,11 @@ def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
-    run = start_run(cfg, recipe="ufs_emulator")
+    with start_run(cfg, recipe="ufs_emulator") as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: UfsConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: each rank reads its strided share; statistics merged over ranks; patterns assembled in order ----
@@ -325,14 +305,10 @@ def main(argv: list[str] | None = None) -> dict:
     batches = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
     train_loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.num_workers, collate_fn=whole_batch)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
-    optimizer_type = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.SGD
-    optimizer = optimizer_type(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
     emulator = accelerator.unwrap_model(model)
-    run.print(
-        f"model: {cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}, "
-        f"{sum(p.numel() for p in emulator.parameters()):,} parameters"
-    )
+    run.print(model_line(f"{cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}", emulator))
 
     def jacobian_names(prefix: str) -> list[str]:
         """Column names of the mean |d output / d input| (output named only when there are several)."""
@@ -371,17 +347,13 @@ def main(argv: list[str] | None = None) -> dict:
             metrics[name] = total / meta["valid_patterns"]
         return metrics
 
-    early_stopping = EarlyStopping(cfg.patience, cfg.min_delta)
+    # --no-stop-early: the teams' training reports the patience and trains on
+    early_stopping = EarlyStopping("val_loss", cfg.patience, cfg.min_delta, min_epochs=cfg.min_epochs,
+                                   stop=cfg.stop_early, why_not_stopping="reported only: --no-stop-early")
 
     def validate() -> dict:
         metrics = validation_metrics("val")
-        if early_stopping.update(metrics["val_loss"]):
-            why = f"val_loss has not improved by {cfg.min_delta} for {cfg.patience} evaluations"
-            if not cfg.stop_early:  # the teams' training reports the patience and trains on
-                if early_stopping.stale == cfg.patience:
-                    run.print(f"{why} (reported only: --no-stop-early)")
-            elif loop.progress.epoch >= cfg.min_epochs:
-                loop.request_stop(why)
+        early_stopping.after_evaluation(loop, metrics)
         return metrics
 
     loop = TrainingLoop(

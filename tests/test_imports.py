@@ -63,7 +63,7 @@ def test_the_walk_sees_lazy_and_package_imports():
     assert len(graph) > 30
     assert "toolkit.shutdown" in graph["toolkit.entry"]  # a module-level import
     assert "toolkit.distributed" in graph["toolkit.entry"]  # a function-level one
-    assert "toolkit.checkpoint" in graph["toolkit.loop"]  # `from toolkit import checkpoint`
+    assert "toolkit.preemption" in graph["toolkit.loop"]  # `from toolkit import preemption`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 

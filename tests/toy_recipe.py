@@ -33,10 +33,12 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from toolkit.config import TrainConfig, parse_config  # noqa: E402
+from toolkit.early_stopping import EarlyStopping  # noqa: E402
 from toolkit.entry import one_line_errors  # noqa: E402
 from toolkit.loop import TrainingLoop  # noqa: E402
+from toolkit.optim import make_optimizer  # noqa: E402
 from toolkit.randomness import KeyedDropout, keyed_uniform  # noqa: E402
-from toolkit.run import start_run  # noqa: E402
+from toolkit.run import Run, start_run  # noqa: E402
 
 FEATURE_DROP = 7  # purpose key of the per-sample coins
 
@@ -114,7 +116,11 @@ class Carry:
 @one_line_errors
 def main(argv=None):
     cfg = parse_config(ToyConfig, argv)
-    run = start_run(cfg, recipe="toy", ddp_kwargs={"broadcast_buffers": False})
+    with start_run(cfg, recipe="toy", ddp_kwargs={"broadcast_buffers": False}) as run:
+        return train(run, cfg)
+
+
+def train(run: Run, cfg: ToyConfig) -> dict:
     accelerator = run.accelerator
 
     generator = torch.Generator().manual_seed(1234)
@@ -128,7 +134,7 @@ def main(argv=None):
 
     dropout = nn.Dropout(cfg.dropout) if cfg.plain_dropout else KeyedDropout(cfg.dropout)
     model = nn.Sequential(nn.Linear(cfg.features + 1, cfg.hidden), nn.Tanh(), dropout, nn.Linear(cfg.hidden, 1))
-    optimizer = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr)
     model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
     print(f"rank {accelerator.process_index}: ddp broadcast_buffers="
           f"{getattr(model, 'broadcast_buffers', None)}", file=sys.stderr, flush=True)
@@ -151,23 +157,18 @@ def main(argv=None):
             errors.append(accelerator.gather_for_metrics((prediction - batch["y"]).pow(2).sum(dim=1)))
         return torch.cat(errors).double().mean().item()
 
-    best = {"value": float("inf"), "since": 0}
+    early_stopping = EarlyStopping("val_mse", cfg.patience, cfg.min_delta)  # decided where the metric is known
 
     def validate():
         mse = mean_squared_error()
         if loop.progress.global_step == cfg.nan_metric_at_step:
             mse = float("nan")
-        if cfg.patience:  # early stopping, decided where the metric is known
-            if mse < best["value"] - cfg.min_delta:
-                best["value"], best["since"] = mse, 0
-            else:
-                best["since"] += 1
-            if best["since"] >= cfg.patience:
-                loop.request_stop(f"val_mse has not improved by {cfg.min_delta} for {cfg.patience} evaluations")
+        early_stopping.after_evaluation(loop, {"val_mse": mse})
         return {"val_mse": mse}
 
     loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric=cfg.main_metric,
-                        higher_is_better=False, state={"loss_ema": ema} if cfg.loss_ema else {},
+                        higher_is_better=False, state=({"loss_ema": ema} if cfg.loss_ema else {})
+                        | ({"early_stopping": early_stopping} if cfg.patience else {}),
                         rank_state={"carry": carry} if cfg.carry else {})
     loop.start()
     for _epoch in loop.epochs():

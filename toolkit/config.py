@@ -164,6 +164,28 @@ def require_at_least(config: TrainConfig, minimum: int, *names: str) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be >= {minimum}")
 
 
+def require_range(config: TrainConfig, interval: str, *names: str) -> None:
+    """A recipe's number flags `names` must lie in `interval`, written as in mathematics ("[0, 1)", "(0, 1]"):
+    otherwise one UsageError line naming the flag and the interval (NaN is in no interval)."""
+    low, high = (float(end) for end in interval[1:-1].split(","))
+    for name in names:
+        value = getattr(config, name)
+        above = value >= low if interval[0] == "[" else value > low
+        below = value <= high if interval[-1] == "]" else value < high
+        if not (above and below):
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be in {interval}")
+
+
+def require_finite(config: TrainConfig, *names: str, above: float = 0, inclusive: bool = True) -> None:
+    """A recipe's number flags `names` must be finite and >= `above` (> with inclusive=False): otherwise one
+    UsageError line naming the flag."""
+    for name in names:
+        value = getattr(config, name)
+        if not (math.isfinite(value) and (value >= above if inclusive else value > above)):
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid; it must be a finite number "
+                             f"{'>=' if inclusive else '>'} {above:g}")
+
+
 def validate(config: TrainConfig) -> None:
     """Range checks tyro cannot express, before any expensive work."""
     positive = ["epochs", "batch_size", "grad_accum", "keep_checkpoints", "eval_every", "log_every"]

@@ -22,21 +22,18 @@ def one_line_errors(main):
     def wrapper(*args, **kwargs):
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "
-        broken = True
+        broken = False
         try:
-            result = main(*args, **kwargs)
-            broken = False
-            return result
+            return main(*args, **kwargs)
         except (UsageError, RunFailed) as error:
-            broken = False  # every rank checks the same input (and agrees on a stop): the group can be ended
             # Rank 0 speaks for all (one line), the others exit quietly.
             if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
                 say(f"{prefix}error: {error}")
             raise SystemExit(2 if isinstance(error, UsageError) else 1) from None
-        except SystemExit as exit_:
-            broken = exit_.code not in (0, None, 2)  # pre-emption (0) and bad flags (2) end on every rank
-            raise
-        except Exception as error:
+        except BaseException as error:
+            broken = shutdown.breaks_group(error)
+            if not isinstance(error, Exception):
+                raise
             from toolkit.distributed import lost_peers_message
 
             message = lost_peers_message(error)

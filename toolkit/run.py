@@ -72,9 +72,10 @@ DEAD_LIFE_FILES = (METRICS_FILE, LOG_FILE)  # rows a life writes before its firs
 
 @dataclass
 class Run:
-    """A started run: the process group and Accelerator exist, the run directory and resume point are chosen, but
-    nothing is written until `begin()` (called by TrainingLoop.start()), so bad input found while the recipe
-    prepares its data and model leaves nothing behind."""
+    """A started run, and the owner of its life: `with start_run(cfg, recipe=...) as run:`. The process group and
+    Accelerator exist, the run directory and resume point are chosen, but nothing is written until `begin()` (called
+    by TrainingLoop.start(): the lock, config.json, the trackers), so bad input found while the recipe prepares its
+    data and model leaves nothing behind; the end of the block ends the process group on every path."""
 
     accelerator: Accelerator
     config: TrainConfig
@@ -87,6 +88,26 @@ class Run:
     resume_step: int = 0
     extra_info: dict = dataclasses.field(default_factory=dict)
     begun: bool = False
+    ended: bool = False
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """`with start_run(cfg, recipe=...) as run:` ends the run on every path: a normal end leaves together (end);
+        an exception releases what runs without waiting for the other ranks, and leaves the process group alone
+        when the failure may have broken it (toolkit.shutdown)."""
+        if error is None:
+            self.end()
+        else:
+            shutdown.release(broken=shutdown.breaks_group(error))
+
+    def end(self) -> None:
+        """The normal end, on every rank (a collective): the ranks meet, the trackers and the process group end.
+        Once; TrainingLoop.finish() calls it, and so does the end of the `with` block."""
+        if not self.ended:
+            self.ended = True
+            shutdown.end_process_group(self.accelerator)
 
     @property
     def is_main(self) -> bool:

@@ -33,6 +33,7 @@ import sys
 import threading
 
 from toolkit.console import write_line
+from toolkit.errors import RunFailed, UsageError
 
 EXIT_REPORT = "TOOLKIT_EXIT_REPORT"
 _launcher = False
@@ -55,6 +56,17 @@ def end_process_group(accelerator, together: bool = True) -> None:
     stop_watching_peers()
     release_reducers()
     accelerator.end_training()  # trackers' finish, then destroy_process_group
+
+
+def breaks_group(error: BaseException) -> bool:
+    """Whether an exception that ends main() may have left the process group unusable: not a usage error or a run
+    failure (every rank checks the same input and agrees on a stop), nor a pre-emption (0) or bad flags (2) exit,
+    which end on every rank; anything else (a lost peer, a bug) may have ended on this rank alone."""
+    if isinstance(error, UsageError | RunFailed):
+        return False
+    if isinstance(error, SystemExit):
+        return error.code not in (0, None, 2)
+    return True
 
 
 def release(broken: bool = False) -> None:

@@ -1,0 +1,40 @@
+"""The optimizer a recipe's --optimizer flag names, made in one place (and its parameter count said in one line).
+
+    optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
+                               weight_decay=cfg.weight_decay)
+    run.print(model_line("SASRec (post-LN)", model))      # model: SASRec (post-LN), 12,345 parameters
+
+Betas and eps apply to the Adam family; SGD takes the learning rate and the weight decay only."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.errors import UsageError
+
+CHOICES = ("adam", "adamw", "adam-atan2", "sgd")
+
+
+def make_optimizer(choice: str, parameters, *, lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
+    parameters = list(parameters)
+    if choice == "adam":
+        return torch.optim.Adam(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if choice == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if choice == "adam-atan2":  # HRM's: Adam with atan2 in place of the division (no eps)
+        from toolkit.models.hrm import AdamATan2
+
+        return AdamATan2(parameters, lr=lr, betas=betas, weight_decay=weight_decay)
+    if choice == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
+    raise UsageError(f"--optimizer {choice} is not known; give one of {', '.join(CHOICES)}")
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_line(description: str, model: torch.nn.Module) -> str:
+    """`model: <description>, N parameters`, the line each recipe prints once its model is made."""
+    return f"model: {description}, {parameter_count(model):,} parameters"

@@ -1,0 +1,47 @@
+"""Where a run is: the loop's counters, saved in every checkpoint as progress.json, and the run's length in steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Progress:
+    """Where the loop is; saved in every checkpoint as progress.json."""
+
+    run_id: str = ""
+    epoch: int = 0  # epochs completed
+    batches_done: int = 0  # micro-batches consumed in the current epoch
+    global_step: int = 0  # optimizer steps
+    samples_seen: int = 0
+    interval_loss_sum: float = 0.0  # training loss since the last metrics row
+    interval_loss_count: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+    best_metrics: dict = field(default_factory=dict)
+    last_metrics: dict = field(default_factory=dict)
+    last_eval_step: int | None = None
+    stop_reason: str | None = None  # request_stop(reason): the run ended early
+    train_time_sec: float = 0.0
+    wall_time_sec: float = 0.0  # wall time of the work this checkpoint keeps, summed over the run's lives
+    file_bytes: dict = field(default_factory=dict)  # metrics.csv / log.csv sizes when this checkpoint was saved
+    first_loss: float | None = None  # the first step's training loss: --max-loss-ratio compares against it
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> Progress:
+        """A checkpoint's progress.json; keys this version does not know (a newer toolkit's) are left out."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) -> int:
+    """Optimizer steps the run will take: --epochs x steps per epoch, capped by --max-steps (for LR schedules).
+    batches_per_epoch: a number, or a function of the epoch when epochs differ (toolkit.sampler)."""
+    if callable(batches_per_epoch):
+        total = sum(math.ceil(batches_per_epoch(epoch) / config.grad_accum) for epoch in range(config.epochs))
+    else:
+        total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
+    return min(total, config.max_steps) if config.max_steps is not None else total

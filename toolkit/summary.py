@@ -1,0 +1,48 @@
+"""summary.json: what a finished run reports (its best step, its test metrics, its time), and curves.png beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit import checkpoint, extras
+from toolkit.progress import Progress
+from toolkit.rundir import SUMMARY_FILE
+from toolkit.tracking import plot_curves, write_json
+
+
+def run_summary(run, progress: Progress, *, main_metric: str, higher_is_better: bool, test_metrics: dict,
+                best_checkpoint: Path | None, wall_time_sec: float, wall_time_this_life_sec: float,
+                extra: dict | None = None) -> dict:
+    return {
+        "recipe": run.recipe,
+        "run_name": run.run_name,
+        "global_step": progress.global_step,
+        "epochs_completed": progress.epoch,
+        "world_size": run.accelerator.num_processes,
+        "stop_reason": progress.stop_reason,
+        "main_metric": main_metric,  # what "best" means, for toolkit compare
+        "higher_is_better": higher_is_better,
+        "final_metrics": progress.last_metrics,
+        "best_step": progress.best_step,
+        "best_metrics": progress.best_metrics,
+        "best_checkpoint": str(best_checkpoint) if best_checkpoint else None,
+        "test_metrics_at_best": test_metrics,
+        "train_time_sec": round(progress.train_time_sec, 2),
+        "wall_time_sec": round(wall_time_sec, 2),
+        "wall_time_this_life_sec": round(wall_time_this_life_sec, 2),
+        **(extra or {}),
+    }
+
+
+def write_summary(run, summary: dict) -> None:
+    """summary.json and curves.png, by the main process; a missing plotting extra is one line, a full disk one
+    line naming it."""
+    if not run.is_main:
+        return
+    try:
+        write_json(run.output_dir / SUMMARY_FILE, summary)
+        plot_curves(run.output_dir, summary["main_metric"])
+    except extras.MissingExtra as missing:  # the plot is a convenience: the run's results stand
+        run.print(f"curves.png not drawn: {missing}")
+    except OSError as error:
+        raise checkpoint.disk_error(error, run.output_dir) from None
