@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
+from toolkit.data.prepared import require_batch_fits
 from toolkit.data.traffic import (
     OUTPUT_STEPS,
     baseline_metrics,
@@ -144,11 +145,10 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: read, checked and cached by the main process, loaded from the cache by the others -------------
-    table, meta = main_process_first(run, lambda: prepare_traffic(cfg.data, cfg.cache_dir.expanduser(), cfg.max_speed))
+    prepared = main_process_first(run, lambda: prepare_traffic(cfg.data, cfg.cache_dir.expanduser(), cfg.max_speed))
+    table, meta = prepared
     split = split_windows(table)
-    run.describe_data(
-        meta["fingerprint"], source=meta["source"], sensors=meta["num_sensors"], timesteps=meta["num_timesteps"]
-    )
+    prepared.describe(run, sensors=meta["num_sensors"], timesteps=meta["num_timesteps"])
     minutes = meta["interval_minutes"]
     loader_args = dict(
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
@@ -157,10 +157,7 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
     train_loader = DataLoader(split.train, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(split.valid, shuffle=False, **loader_args)
     test_loader = DataLoader(split.test, shuffle=False, **loader_args)
-    if len(train_loader) == 0:
-        raise UsageError(
-            f"--batch-size {cfg.batch_size} exceeds the {len(split.train)} training windows; use a smaller one"
-        )
+    require_batch_fits(cfg.batch_size, len(split.train), "training windows")
     run.print(
         f"data: {meta['num_sensors']} sensors, {meta['num_timesteps']} timesteps every {minutes:g} min "
         f"({meta['missing_fraction']:.1%} missing); windows train/val/test {len(split.train)}/"

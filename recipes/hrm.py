@@ -49,7 +49,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.sudoku import Recipe, is_csv_folder, load_sudoku, split
+from toolkit.data.prepared import require_batch_fits, require_path
+from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split
 from toolkit.devices import pin_memory
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
@@ -147,9 +148,7 @@ PRESETS = {
 
 def check(cfg: HRMConfig) -> None:
     """Recipe-specific checks, before anything is built."""
-    if cfg.data is not None and not cfg.data.expanduser().exists():
-        raise UsageError(f"--data {cfg.data} does not exist; build one with `python -m toolkit.data.sudoku build "
-                         "--out DIR ...`, give a folder with the Sudoku-Extreme train.csv and test.csv, or omit it")
+    require_path(cfg.data, "--data", f"{VALID_DATA}, or omit it")
     if cfg.full_test and (cfg.data is None or not is_csv_folder(cfg.data.expanduser())):
         what = "generated puzzles have no test.csv" if cfg.data is None else \
             f"--data {cfg.data} is not a folder of Sudoku-Extreme CSVs (a built dataset's test split is fixed)"
@@ -172,9 +171,8 @@ def check(cfg: HRMConfig) -> None:
 
 
 def check_batch_fits(batch_size: int, train_puzzles: int) -> None:
-    if batch_size > train_puzzles:
-        raise UsageError(f"--batch-size {batch_size} exceeds the {train_puzzles} training puzzles (an epoch is one "
-                         "pass over them); use a smaller batch or more --train-puzzles")
+    require_batch_fits(batch_size, train_puzzles, "training puzzles (an epoch is one pass over them)",
+                       "use a smaller batch or more --train-puzzles")
 
 
 def data_recipe(cfg: HRMConfig) -> Recipe:
@@ -262,11 +260,12 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: built (or converted) once by the main process, memory-mapped by every rank ---------------------
-    stored, meta = main_process_first(
+    prepared = main_process_first(
         run, lambda: load_sudoku(cfg.data, data_recipe(cfg), cfg.cache_dir.expanduser(), progress=run.is_main,
                                  full_test=cfg.full_test)
     )
-    run.describe_data(meta["fingerprint"], source=meta["source"], **meta["puzzles"], aug=meta["aug"])
+    stored, meta = prepared
+    prepared.describe(run, **meta["puzzles"], aug=meta["aug"])
     if cfg.preset == "sudoku-1k" and not meta["source"].startswith("csv:"):
         run.print("note: the paper's figure (55% exact accuracy) is on Sudoku-Extreme; give --data with its "
                   "train.csv and test.csv (and --full-test) to compare; going on with generated puzzles")

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.movielens import UserSequences, leave_one_out, prepare_movielens
+from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, prepare_movielens
+from toolkit.data.prepared import require_batch_fits, require_path
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
@@ -118,11 +119,7 @@ PRESETS = {
 
 def check(cfg: SASRecConfig) -> None:
     """Recipe-specific checks, before anything is built."""
-    if cfg.data_path is not None and not cfg.data_path.expanduser().exists():
-        raise UsageError(
-            f"--data-path {cfg.data_path} does not exist; give MovieLens u.data, ratings.dat or a RecBole .inter "
-            "file (or omit it for ml-100k)"
-        )
+    require_path(cfg.data_path, "--data-path", VALID_INPUT)
     require_at_least(cfg, 1, "hidden", "blocks", "heads", "maxlen", "time_span", "mhc_streams", "eval_negatives")
     if cfg.hidden % cfg.heads:
         raise UsageError(f"--hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
@@ -161,9 +158,9 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: prepared and cached by the main process, loaded from the cache by the others ----------------
-    sequences, meta = main_process_first(
-        run, lambda: prepare_movielens(cfg.dataset, cfg.data_path, cfg.cache_dir.expanduser())
-    )
+    prepared = main_process_first(run, lambda: prepare_movielens(cfg.dataset, cfg.data_path,
+                                                                 cfg.cache_dir.expanduser()))
+    sequences, meta = prepared
     split = leave_one_out(sequences, meta, cfg.maxlen)
     most_touched = int(split.touched.sum(dim=1).max())
     if cfg.eval_negatives > meta["num_items"] - most_touched:
@@ -172,7 +169,7 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
             f"every user left untouched ({meta['num_items']} items; the most active user touched {most_touched}); "
             f"give at most {meta['num_items'] - most_touched}"
         )
-    run.describe_data(meta["fingerprint"], source=meta["source"], users=meta["num_users"], items=meta["num_items"])
+    prepared.describe(run, users=meta["num_users"], items=meta["num_items"])
     touched = split.touched.to(accelerator.device)  # evaluation: candidates the user never touched at all
     train_touched = split.train_touched.to(accelerator.device)  # training negatives: outside the training items
     eval_negatives = sample_negatives(
@@ -203,10 +200,7 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     test_loader = DataLoader(test_set, shuffle=False, **loader_args)
-    if len(train_loader) == 0:
-        raise UsageError(
-            f"--batch-size {cfg.batch_size} exceeds the {len(train_set)} training users; use a smaller one"
-        )
+    require_batch_fits(cfg.batch_size, len(train_set), "training users")
     run.print(f"data: {meta['num_users']} users, {meta['num_items']} items, {meta['num_interactions']} interactions "
               f"({meta['source']})")
 

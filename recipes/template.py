@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
 from toolkit.distributed import global_mean
+from toolkit.data.prepared import require_batch_fits
 from toolkit.entry import one_line_errors
-from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.optim import make_optimizer
 from toolkit.randomness import KeyedDropout
@@ -42,8 +42,7 @@ def check(cfg: TemplateConfig) -> None:
     """The recipe's own checks: one line naming the flag, before anything is made (sweeps run them too)."""
     require_at_least(cfg, 1, "samples", "features", "hidden")
     require_range(cfg, "[0, 1)", "dropout")
-    if cfg.batch_size > int(0.8 * cfg.samples):
-        raise UsageError(f"--batch-size {cfg.batch_size} exceeds the {int(0.8 * cfg.samples)} training samples")
+    require_batch_fits(cfg.batch_size, int(0.8 * cfg.samples), "training samples")
 
 
 def generated_data(cfg: TemplateConfig) -> tuple[TensorDataset, TensorDataset, TensorDataset]:

@@ -52,12 +52,11 @@ from torch.utils.data import DataLoader
 
 from toolkit import extras
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.cache import file_fingerprint
+from toolkit.data.prepared import require_batch_fits
 from toolkit.data.ufs import (
     AUTO,
     DEFAULT_INPUTS,
     DEFAULT_OUTPUTS,
-    FORMAT_VERSION,
     PatternRows,
     UfsPatterns,
     describe_variables,
@@ -248,20 +247,10 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         max_patterns_per_rank=cfg.max_patterns_per_rank,
     )
     meta = patterns.meta
-    if cfg.batch_size > meta["train_patterns"]:
-        raise UsageError(
-            f"--batch-size {cfg.batch_size} exceeds the {meta['train_patterns']} training patterns of "
-            f"{cfg.data}; use a smaller one"
-        )
+    require_batch_fits(cfg.batch_size, meta["train_patterns"], f"training patterns of {cfg.data}")
     sigma = meta["attributes"].get("noise_sigma")  # generated files: the noise floor of the (single) output
-    fingerprint = file_fingerprint(cfg.data.expanduser(), FORMAT_VERSION)
-    if cfg.data_atmos is not None:  # either file changing changes the data
-        fingerprint += "+" + file_fingerprint(cfg.data_atmos.expanduser(), FORMAT_VERSION)
-    if cfg.max_patterns_per_rank and meta["patterns"] < math.ceil(meta["domain_cells"] / cfg.thin):
-        # a cap per process: another process count is another subset, which a resume must refuse
-        fingerprint += f"/{meta['patterns']}"
     run.describe_data(
-        fingerprint,
+        patterns.fingerprint,  # both files' content, and the subset when a cap per process cut it
         path=str(cfg.data),
         atmos_path=None if cfg.data_atmos is None else str(cfg.data_atmos),
         variables=meta["variables"],

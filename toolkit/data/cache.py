@@ -24,6 +24,7 @@ from pathlib import Path
 
 import datasets
 
+from toolkit.data.prepared import Prepared
 from toolkit.errors import UsageError
 
 META_FILE = "meta.json"
@@ -106,8 +107,8 @@ def cached_dataset(
     key: str,
     build: Callable[[], tuple[datasets.Dataset, dict]],
     flag: str = "--cache-dir",
-) -> tuple[datasets.Dataset, dict]:
-    """(dataset, meta) from <cache_dir>/processed/<name>-<key> when a complete build is there (build() is not
+) -> Prepared:
+    """Prepared(dataset, meta) from <cache_dir>/processed/<name>-<key> when a complete build is there (build() is not
     called); else build() -> (dataset, JSON-serialisable meta), saved atomically, then loaded from disk (so the
     first call returns exactly what later calls load). A cache directory that cannot be written raises a
     UsageError naming `flag`; it is checked before build() runs. Exceptions from build() propagate, leaving
@@ -128,4 +129,4 @@ def cached_dataset(
         with writable(cache_dir, flag):
             save_atomically(ds, meta, final)
     meta = json.loads((final / META_FILE).read_text())
-    return datasets.load_from_disk(str(final / DATASET_DIR)), meta
+    return Prepared(datasets.load_from_disk(str(final / DATASET_DIR)), meta)

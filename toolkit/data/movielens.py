@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.data.cache import cached_dataset, file_fingerprint, writable, write_bytes_atomically
+from toolkit.data.prepared import Prepared, require_path
 from toolkit.data.rows import TensorRows
 from toolkit.errors import UsageError
 
@@ -101,9 +102,8 @@ def _is_number(text: str) -> bool:
 
 def _resolve_data_path(data_path: Path) -> Path:
     """A ratings file from --data-path (a file, or a directory holding u.data, ratings.dat or one *.inter)."""
+    require_path(data_path, "--data-path", VALID_INPUT)
     path = Path(data_path).expanduser()
-    if not path.exists():
-        raise UsageError(f"--data-path {data_path} does not exist; {VALID_INPUT}")
     if path.is_dir():
         candidates = [path / "u.data", path / "ratings.dat"]
         found = [c for c in candidates if c.is_file()]
@@ -383,7 +383,7 @@ def _cache_key(path: Path) -> str:
 
 def prepare_movielens(
     dataset: Literal["ml-100k", "ml-1m"], data_path: Path | None, cache_dir: Path
-) -> tuple[datasets.Dataset, dict]:
+) -> Prepared:
     """Per-user chronological sequences, built once and cached with `datasets` (save_to_disk/load_from_disk).
 
     Returns (ds, meta): ds columns user (int 0..U-1), items (list[int] remapped to 1..I, sorted by timestamp,
@@ -415,7 +415,7 @@ def prepare_movielens(
     ds, meta = cached_dataset(cache_dir, dataset, key, build)
     # source: the same file may have been built from another path; fingerprint: the cache key (the raw file's hash)
     meta.update(source=source, dataset=dataset, fingerprint=f"{dataset}-{key}")
-    return ds, meta
+    return Prepared(ds, meta)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import datasets
 import numpy as np
 
 from toolkit.data.cache import DATASET_DIR, META_FILE, cached_dataset, file_fingerprint, save_atomically, writable
+from toolkit.data.prepared import Prepared, require_path
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 
@@ -425,12 +426,14 @@ def csv_key(directory: Path | str, recipe: Recipe, full_test: bool = False) -> s
 # ----------------------------------------------------------------------------------------------------
 
 
-def load_built(directory: Path | str, flag: str = "--data") -> tuple[datasets.Dataset, dict]:
+VALID_DATA = ("build one with `python -m toolkit.data.sudoku build --out DIR ...`, or give a folder holding the "
+              "Sudoku-Extreme train.csv and test.csv")
+
+
+def load_built(directory: Path | str, flag: str = "--data") -> Prepared:
     """(dataset memory-mapped from disk, meta) of a directory written by `build`."""
+    require_path(directory, flag, VALID_DATA)
     directory = Path(directory).expanduser()
-    if not directory.exists():
-        raise UsageError(f"{flag} {directory} does not exist; build one with `python -m toolkit.data.sudoku build "
-                         "--out DIR ...` or give a folder holding the Sudoku-Extreme train.csv and test.csv")
     if not directory.is_dir():
         raise UsageError(f"{flag} {directory} is a file; give a dataset directory built by "
                          "`python -m toolkit.data.sudoku build` (it holds meta.json and dataset/)")
@@ -450,7 +453,7 @@ def load_built(directory: Path | str, flag: str = "--data") -> tuple[datasets.Da
         raise UsageError(f"{flag} {directory} was built by another version of toolkit.data.sudoku (format "
                          f"{meta.get('format')}, expected {FORMAT_VERSION}); build it again")
     check_dataset(ds, meta, f"{flag} {directory}")
-    return ds, meta
+    return Prepared(ds, meta)
 
 
 UNIQUE_CHECKS = 5000  # originals whose single solution check_dataset confirms with the solver
@@ -514,8 +517,9 @@ def is_csv_folder(data: Path) -> bool:
     return data.is_dir() and (data / "train.csv").exists() and not (data / META_FILE).exists()
 
 
-def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True, full_test: bool = False):
-    """(dataset, meta): a built directory (`build --out`), a folder of Sudoku-Extreme CSVs (converted once into
+def load_sudoku(data: Path | None, recipe: Recipe, cache_dir: Path, progress: bool = True,
+                full_test: bool = False) -> Prepared:
+    """Prepared (dataset, meta): a built directory (`build --out`), a folder of Sudoku-Extreme CSVs (converted once into
     cache_dir; full_test: every puzzle of test.csv is a test puzzle), or, without `data`, the generated dataset of
     `recipe`, built once into cache_dir."""
     datasets.disable_progress_bars()

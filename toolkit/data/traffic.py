@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from toolkit import extras
 from toolkit.data.cache import cached_dataset, file_fingerprint
+from toolkit.data.prepared import Prepared
 from toolkit.errors import UsageError
 from toolkit.metrics import masked_error_sums
 
@@ -186,7 +187,7 @@ def read_adjacency(path: Path, sensor_ids: list[str], speeds_path: Path) -> np.n
 # ----------------------------------------------------------------------------------------------------
 
 
-def prepare_traffic(data: Path, cache_dir: Path, max_speed: float = MAX_SPEED) -> tuple[datasets.Dataset, dict]:
+def prepare_traffic(data: Path, cache_dir: Path, max_speed: float = MAX_SPEED) -> Prepared:
     """(ds, meta): ds has one row per timestep: speed [N] float32 (mph, 0 = missing), time_of_day (fraction of the
     day), slot_of_week (0 .. readings per week - 1); meta: sensor_ids, adjacency (N x N), interval_minutes, start,
     num_timesteps, num_sensors, missing_fraction, source, fingerprint. Built once per pair of files."""
@@ -227,7 +228,7 @@ def prepare_traffic(data: Path, cache_dir: Path, max_speed: float = MAX_SPEED) -
 
     ds, meta = cached_dataset(cache_dir, "traffic", key, build)
     meta.update(source=str(speeds_path.parent), fingerprint=f"traffic-{key}")
-    return ds, meta
+    return Prepared(ds, meta)
 
 
 class TrafficWindows(torch.utils.data.Dataset):

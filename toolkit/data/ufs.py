@@ -45,6 +45,8 @@ import numpy as np
 import torch
 
 from toolkit import extras
+from toolkit.data.cache import file_fingerprint
+from toolkit.data.prepared import counted_over_ranks
 from toolkit.data.rows import TensorRows
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
@@ -487,6 +489,23 @@ class UfsPatterns:
     output_std: torch.Tensor
     meta: dict = field(default_factory=dict)
 
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+
+def patterns_fingerprint(path: Path, atmos_path: Path | None, meta: dict, thin: int,
+                         max_patterns_per_rank: int) -> str:
+    """What the patterns are made from: the content of both files (either changing changes the data) and, when a cap
+    per process cut the domain, the number taken (another process count is another subset, which a resume must
+    refuse). The selection flags themselves are config.json's, compared on resume."""
+    fingerprint = file_fingerprint(path, FORMAT_VERSION)
+    if atmos_path is not None:
+        fingerprint += "+" + file_fingerprint(atmos_path, FORMAT_VERSION)
+    if max_patterns_per_rank and meta["patterns"] < math.ceil(meta["domain_cells"] / thin):
+        fingerprint += f"/{meta['patterns']}"
+    return fingerprint
+
 
 def load_patterns(
     accelerator,
@@ -517,7 +536,7 @@ def load_patterns(
     shard in pattern order on every rank. A collective: every rank calls it."""
     from toolkit.distributed import merge_moments, std_from_moments
 
-    path = Path(path).expanduser()
+    path = data_path = Path(path).expanduser()
     inputs, outputs = list(inputs), list(outputs)
     rank, world = accelerator.process_index, accelerator.num_processes
     cap = min((c for c in (max_patterns, max_patterns_per_rank * world) if c), default=0)
@@ -560,26 +579,22 @@ def load_patterns(
         limits = {name: physical_range(name, units[name], range_factor) for name in names}
         attributes = {key: (value.item() if hasattr(value, "item") else value) for key, value in ds.attrs.items()}
 
-    bad = (~torch.isfinite(shard)).sum(dim=0).double()
-    if world > 1:
-        bad = accelerator.reduce(bad.to(accelerator.device), reduction="sum").cpu()
-    for name, count in zip(names, bad.tolist(), strict=True):
+    bad = counted_over_ranks(accelerator, (~torch.isfinite(shard)).sum(dim=0))
+    for name, count in zip(names, bad, strict=True):
         if count:
             kind = "input" if name in inputs else "output"
             raise UsageError(
-                f"--data {path}: {kind} field {name!r} has {int(count)} NaN/inf values inside the "
+                f"--data {path}: {kind} field {name!r} has {count} NaN/inf values inside the "
                 f"sea-ice domain ({len(selection.cells)} patterns); fill them or mask those cells "
                 f"(--mask-variable) before training"
             )
     # netCDF's default fill value (9.97e36 for floats) is what a file holds where nothing was written; without a
     # _FillValue attribute nobody decodes it to NaN, and it would be trained on as a number.
-    filled = (shard.abs() >= 9.0e36).sum(dim=0).double()
-    if world > 1:
-        filled = accelerator.reduce(filled.to(accelerator.device), reduction="sum").cpu()
-    for name, count in zip(names, filled.tolist(), strict=True):
+    filled = counted_over_ranks(accelerator, (shard.abs() >= 9.0e36).sum(dim=0))
+    for name, count in zip(names, filled, strict=True):
         if count:
             raise UsageError(
-                f"--data {path}: field {name!r} holds netCDF's default fill value (about 9.97e36) at {int(count)} "
+                f"--data {path}: field {name!r} holds netCDF's default fill value (about 9.97e36) at {count} "
                 "cells inside the sea-ice domain: those cells were never written; give the variable a _FillValue "
                 "attribute (they become NaN) and mask them, or fill them"
             )
@@ -588,13 +603,11 @@ def load_patterns(
         if limits[name] is not None:
             low, high = limits[name]
             outside[column] = ((shard[:, column] < low) | (shard[:, column] > high)).sum()
-    if world > 1:
-        outside = accelerator.reduce(outside.to(accelerator.device), reduction="sum").cpu()
-    for name, count in zip(names, outside.tolist(), strict=True):
+    for name, count in zip(names, counted_over_ranks(accelerator, outside), strict=True):
         if count:
             low, high = limits[name]
             raise UsageError(
-                f"--data {path}: field {name!r} ({units[name]}) has {int(count)} values outside {low:g} .. {high:g} "
+                f"--data {path}: field {name!r} ({units[name]}) has {count} values outside {low:g} .. {high:g} "
                 "inside the sea-ice domain: wrong units or a damaged file; if they are real, widen the physical "
                 "ranges with --range-factor (0 turns the check off)"
             )
@@ -641,6 +654,7 @@ def load_patterns(
         "open_water": open_water,
         "max_patterns": cap,
     }
+    meta["fingerprint"] = patterns_fingerprint(data_path, atmos_path, meta, thin, max_patterns_per_rank)
     return UfsPatterns(
         train[:, :n_in],
         train[:, n_in:],
