@@ -494,6 +494,12 @@ class UfsPatterns:
         return self.meta["fingerprint"]
 
 
+def never_written(values: torch.Tensor) -> torch.Tensor:
+    """Where a field holds netCDF's default fill value for floats (9.97e36): cells nothing was written to, which no
+    reader decodes to NaN without a _FillValue attribute."""
+    return values.abs() >= 9.0e36
+
+
 def patterns_fingerprint(path: Path, atmos_path: Path | None, meta: dict, thin: int,
                          max_patterns_per_rank: int) -> str:
     """What the patterns are made from: the content of both files (either changing changes the data) and, when a cap
@@ -590,7 +596,7 @@ def load_patterns(
             )
     # netCDF's default fill value (9.97e36 for floats) is what a file holds where nothing was written; without a
     # _FillValue attribute nobody decodes it to NaN, and it would be trained on as a number.
-    filled = counted_over_ranks(accelerator, (shard.abs() >= 9.0e36).sum(dim=0))
+    filled = counted_over_ranks(accelerator, never_written(shard).sum(dim=0))
     for name, count in zip(names, filled, strict=True):
         if count:
             raise UsageError(

@@ -8,7 +8,7 @@
     model.predict_with_jacobian(x)       # both at once in plain tensor ops (closed form), what the export runs
     torch.export.export(ExportedEmulator(model), (x,), ...)   # forward(x) = predict_with_jacobian(x)
 
-The export (toolkit/export.py: torch.export + AOTInductor, for C++) needs the Jacobian without autograd: an MLP's is
+The export (toolkit/export/: torch.export + AOTInductor, for C++) needs the Jacobian without autograd: an MLP's is
 closed form, W_L diag(gelu'(a_{L-1})) W_{L-1} ... diag(gelu'(a_1)) W_1 in normalised space, chained in the
 network's dtype alongside the forward pass, then scaled by output_std / input_std in float64.
 

@@ -1,0 +1,3 @@
+from toolkit.export import main
+
+main()
