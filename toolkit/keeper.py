@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from toolkit import checkpoint
+from toolkit.errors import UsageError
 from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
 from toolkit.tracking import truncate_to_bytes
 
@@ -24,6 +25,18 @@ class CheckpointKeeper:
         self.run, self.accelerator, self.model = run, run.accelerator, model
         self.shared_state, self.rank_state = shared_state, rank_state
         self.last_saved_step: int | None = None
+
+    def refuse_another_world_size(self) -> None:
+        """Per-rank state (a carry) is one piece per rank: a resume on another process count is refused."""
+        run = self.run
+        if run.resume_checkpoint is not None and self.rank_state and run.previous is not None:
+            before = run.previous.get("world_size")
+            if before != self.accelerator.num_processes:
+                raise UsageError(
+                    f"--resume-from {run.resume_checkpoint}: this recipe keeps per-rank state "
+                    f"({', '.join(self.rank_state)}), so it resumes only with the run's {before} process(es), not "
+                    f"{self.accelerator.num_processes}"
+                )
 
     def resume(self) -> dict | None:
         """Load the run's resume checkpoint (if any) into the prepared objects and the extra state; returns the

@@ -17,47 +17,35 @@ A recipe keeps the parts that are its own (forward, loss, evaluation) and reads:
     return loop.finish_at_best(run_test)             # best weights, test, summary.json, trackers and group end
 
 (or loop.load_best(); loop.test(run_test); exports, Jacobians etc. with grad; loop.finish()). This module is the
-iteration and the order of things; each part lives in its own module: toolkit.progress (the counters a checkpoint
-keeps), toolkit.cadence (when to evaluate and save), toolkit.agreement (what the ranks decide together),
-toolkit.guards (divergence), toolkit.evaluation (evaluate, best, metrics rows), toolkit.meter (timing, the progress
-bar), toolkit.keeper (save, prune, best, load), toolkit.summary (summary.json).
-
-Cadence: evaluations every --eval-every epochs, or every --eval-every-steps optimizer steps; checkpoints every
---checkpoint-every steps (else at each epoch end), always AFTER the evaluation of the same step, and at the end.
-When the loop ends (epochs done, --max-steps, request_stop) the final step is evaluated and saved once.
-
-Exact resume (bit-identical on CPU) needs: model/optimizer/scheduler/scaler state (Accelerate's save_state),
-the recipe's extra state, the sampler's order for the epoch (seedable sampler + set_epoch every epoch), the
-consumed batches skipped (skip_first_batches), Accelerate's accumulation counter reset where the epoch restarts,
-randomness that does not depend on the RNG history (keyed dropout; the global RNG reseeded from (seed, epoch,
-batch, rank) before each micro-batch), and the loop's own counters (progress.json, which also records how long
-metrics.csv and log.csv were, so a resume cuts off exactly what was written after the checkpoint).
+iteration and the order of things (README, "How resume works", says what exact resume needs of it); each part lives
+in its own module: progress (the counters a checkpoint keeps), cadence (when to evaluate and save), losses (the loss
+read on the host at a cadence), agreement (what the ranks decide together), guards (divergence), evaluation
+(evaluate, best, metrics rows), meter (timing, the bar), keeper (save, prune, best, load), summary (summary.json).
 """
 
 from __future__ import annotations
 
-import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from toolkit import compilation, preemption, randomness, shutdown
+from toolkit import compilation, preemption, randomness
 from toolkit.agreement import agree
 from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
-from toolkit.errors import TrainingStopped, UsageError
+from toolkit.errors import TrainingStopped
 from toolkit.evaluation import Evaluations
-from toolkit.guards import loss_problem, stopped_without_saving
+from toolkit.guards import stopped_without_saving
 from toolkit.keeper import CheckpointKeeper
+from toolkit.losses import StepLosses, read_and_count
 from toolkit.meter import StepMeter
-from toolkit.progress import Progress, total_training_steps
+from toolkit.optim import step_optimizer
+from toolkit.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
-from toolkit.summary import run_summary, write_summary
+from toolkit.summary import finish_run
 from toolkit.tracking import format_table
 
 __all__ = ["AFTER_STEP_HOOKS", "Progress", "TrainingLoop", "TrainingStopped", "rest_of_epoch", "require_whole_epoch"]
@@ -69,32 +57,13 @@ __all__ = ["AFTER_STEP_HOOKS", "Progress", "TrainingLoop", "TrainingStopped", "r
 AFTER_STEP_HOOKS: list[Callable[[TrainingLoop], None]] = []
 
 
-def rest_of_epoch(accelerator, loader, batches_done: int):
-    """The micro-batches of the current epoch after the first `batches_done` (a resume mid-epoch): with the
-    sampler's epoch set, they are exactly the ones an uninterrupted run takes next."""
-    return accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
-
-
-def require_whole_epoch(batches_done: int, batches_in_epoch: int, epoch: int) -> None:
-    """The loader ran out: it must have given the whole epoch. Short of it, end_epoch() would never close the epoch
-    and the loop would ask for the same (empty) rest of it forever; one line instead."""
-    if batches_done < batches_in_epoch:
-        raise TrainingStopped(
-            f"the training data of epoch {epoch + 1} ended after {batches_done} of its {batches_in_epoch} batches: "
-            "the resume position or the loader's length is wrong, so the run could never reach its end; the "
-            "checkpoints are kept (report this with the run's config.json)"
-        )
-
-
 class TrainingLoop:
     def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
                  higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None,
                  batches_per_epoch: Callable[[int], int] | None = None):
-        """evaluate(): validation metrics {name: number} (called under no_grad, model in eval mode; must return the
-        same values on every rank, e.g. from gather_for_metrics). state / rank_state: {name: object with
-        state_dict/load_state_dict} saved in every checkpoint, once (shared) or per rank (e.g. a carry).
-        batches_per_epoch(epoch): for a loader whose epochs differ in length (toolkit.sampler.CrossEpochBatchSampler;
-        len(loader) is then the current epoch's), so the run's step count is right; default len(train_loader)."""
+        """evaluate(): validation metrics {name: number}, the same on every rank (gather_for_metrics). state /
+        rank_state: {name: object with state_dict/load_state_dict} checkpointed once, or per rank (a carry).
+        batches_per_epoch(epoch): for epochs of different lengths (CrossEpochBatchSampler); default len(loader)."""
         self.run, self.config, self.accelerator = run, run.config, run.accelerator
         self.model, self.train_loader, self.batches_per_epoch = model, train_loader, batches_per_epoch
         self.main_metric, self.higher_is_better = main_metric, higher_is_better
@@ -103,28 +72,20 @@ class TrainingLoop:
         self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
         self._stop_request: str | None = None
         self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
-        self._pending_loss: list[torch.Tensor] = []
+        self.losses = StepLosses()  # read on the host at a cadence (toolkit/losses.py)
         self.keeper = CheckpointKeeper(run, model, dict(state or {}), self.rank_state)
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
-        plain_dropout = randomness.rank_dependent_dropout_line(model)
-        if plain_dropout:
+        if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
             run.print(plain_dropout)
 
     def start(self) -> None:
         """Take the run directory (lock, config.json, trackers), then load the resume checkpoint (if any) into the
         prepared objects, the extra state and the loop. Call after prepare()."""
         run = self.run
-        if run.resume_checkpoint is not None and self.rank_state and run.previous is not None:
-            before = run.previous.get("world_size")
-            if before != self.accelerator.num_processes:
-                raise UsageError(
-                    f"--resume-from {run.resume_checkpoint}: this recipe keeps per-rank state "
-                    f"({', '.join(self.rank_state)}), so it resumes only with the run's {before} process(es), not "
-                    f"{self.accelerator.num_processes}"
-                )
+        self.keeper.refuse_another_world_size()  # before anything is written
         run.begin()
         saved = self.keeper.resume()
         if saved is not None:
@@ -185,29 +146,21 @@ class TrainingLoop:
 
     def optimizer_step(self, optimizer, scheduler=None, *, loss: torch.Tensor | None = None,
                        rank_loss: torch.Tensor | None = None) -> None:
-        """The step every recipe takes, once: inside `with accelerator.accumulate(model):`, after
-        `accelerator.backward(...)`. Clips the gradients to --max-grad-norm when they sync (the last micro-batch of
-        an accumulation window), steps the optimizer and the scheduler (Accelerate skips both inside a window), zeroes
-        the gradients, and records the micro-batch's loss for the progress bar, log and metrics rows. Give either
-        `loss`, already the mean over the GLOBAL batch (toolkit.distributed.global_mean returns it), or
-        `rank_loss`, this rank's mean over its equal share of the batch, averaged over the processes here."""
+        """The step every recipe takes, inside `with accelerator.accumulate(model):` after `accelerator.backward(...)`:
+        clip to --max-grad-norm when the gradients sync, step the optimizer and the scheduler (Accelerate skips both
+        inside an accumulation window), zero the gradients, record the micro-batch's loss. Give `loss`, the mean over
+        the GLOBAL batch (global_mean returns it), or `rank_loss`, this rank's mean over its equal share."""
         if (loss is None) == (rank_loss is None):
             raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss= "
                             "(this rank's mean, averaged over the processes here)")
-        accelerator = self.accelerator
-        if self.config.max_grad_norm and accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.record_loss(loss if rank_loss is None else mean_over_processes(accelerator, rank_loss.detach()))
+        step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizer, scheduler)
+        self.record_loss(loss if rank_loss is None else mean_over_processes(self.accelerator, rank_loss.detach()))
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss, already the mean over the whole GLOBAL batch (the same value on every rank): a
         rank's own mean must be averaged first (toolkit.distributed.mean_over_processes), or use optimizer_step's
         rank_loss=, which does it. For a step that optimizer_step does not fit (HRM's two optimizers)."""
-        self._pending_loss.append(loss.detach().float())
+        self.losses.record(loss)
 
     def request_stop(self, reason: str) -> None:
         """End the run early (e.g. early stopping): at the next step boundary or epoch end every rank stops, the
@@ -220,59 +173,46 @@ class TrainingLoop:
         self.run.print(f"stopping at step {self.progress.global_step}: {self.progress.stop_reason}")
 
     def _after_optimizer_step(self, end_of_epoch: bool) -> None:
-        """The step's loss read and guarded, the ranks' agreement, the bar and log; then pre-emption, a stop, and
-        the mid-epoch evaluation and checkpoint when due (an epoch end or the loop's end does those itself)."""
+        """Close the step's losses; at the read cadence, or when this step is evaluated, saved or the last: read them
+        (guards, bar, log) and agree with the other ranks (pre-empted, diverged, a stop); then the mid-epoch
+        evaluation and checkpoint when due (an epoch end or the loop's end does those itself)."""
         cfg, progress = self.config, self.progress
-        # Python floats: one device-to-host copy per micro-batch and no small tensors (a few us each, every step)
-        losses = [float(loss) for loss in self._pending_loss]
-        self._pending_loss.clear()
-        step_loss = sum(losses) / len(losses) if losses else float("nan")
+        step = progress.global_step
+        self.losses.close_step(step, progress.epoch)
         if self._compile_report is not None:  # --compile: the first step's compute, said once (toolkit/compilation.py)
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
-        if progress.first_loss is None and math.isfinite(step_loss):
-            progress.first_loss = step_loss
-        problem = loss_problem(step_loss, progress.first_loss, cfg.max_loss_ratio, progress.global_step)
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            self.stopped = True
+        evaluate = bool(cfg.eval_every_steps) and not (self.stopped or end_of_epoch) and self._evaluation_due()
+        save = mid_epoch_save_due(cfg.checkpoint_every, step, new_best=False)
+        if not (self.losses.read_due(step) or end_of_epoch or self.stopped or evaluate or save):
+            return
+        problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg)
         agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
                        stop=self._stop_request is not None)
         if agreed.diverged:
-            self._stop_without_saving(problem or f"the training loss is {step_loss} at step {progress.global_step}")
-        progress.interval_loss_sum += sum(losses)
-        progress.interval_loss_count += len(losses)
-        self.meter.stepped(progress.epoch, step_loss)
-        if progress.global_step % cfg.log_every == 0:
-            self.accelerator.log({"train/loss": step_loss, "train/epoch": progress.epoch}, step=progress.global_step)
+            self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
         if agreed.preempted:
             self._checkpoint_requeue_and_exit()
         if agreed.stop:
             self._take_stop_request()
-        if cfg.max_steps is not None and progress.global_step >= cfg.max_steps:
-            self.stopped = True
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
         new_best = False
-        if cfg.eval_every_steps and self._evaluation_due():
+        if evaluate:
             self.evaluations.validate(progress)
             if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
                 self._take_stop_request()
                 return  # the loop's end saves this step, with the stop reason in it
-            new_best = progress.best_step == progress.global_step  # mid-epoch: load_best() needs its checkpoint
-        if mid_epoch_save_due(cfg.checkpoint_every, progress.global_step, new_best):
+            new_best = progress.best_step == step  # mid-epoch: load_best() needs its checkpoint
+        if mid_epoch_save_due(cfg.checkpoint_every, step, new_best):
             self.save()
 
     def _checkpoint_requeue_and_exit(self) -> None:
         """Pre-empted (SIGUSR1): a complete checkpoint of this step, requeue (main process), every rank exits 0."""
         self.save()
-        if self.run.is_main:
-            step = self.progress.global_step
-
-            def announce(what: str) -> None:  # flushed: the requeue may end this process right after
-                tqdm.write(f"pre-empted at step {step}: checkpoint saved; {what}")
-                sys.stdout.flush()
-
-            preemption.requeue_job(self.config.max_requeues, announce)
         self.meter.close_bar()
-        shutdown.end_process_group(self.accelerator)  # all ranks leave together
-        raise SystemExit(0)
+        preemption.requeue_and_exit(self.run, self.progress.global_step, self.config.max_requeues)
 
     def _stop_without_saving(self, what: str) -> None:
         self.meter.close_bar()
@@ -301,9 +241,12 @@ class TrainingLoop:
                               progress.batches_done)
 
     def save(self) -> None:
-        """A complete checkpoint of the current position (collective), once per step."""
+        """A complete checkpoint of the current position (collective), once per step; never of a diverged one."""
         if self.keeper.saved(self.progress.global_step):
             return
+        problem = read_and_count(self.losses, self.progress, self.meter, self.accelerator, self.config)
+        if problem is not None:  # every rank read the same global losses: all of them stop here
+            self._stop_without_saving(problem)
         now = time.perf_counter()
         self.progress.wall_time_sec += now - self._wall_mark
         self._wall_mark = now
@@ -336,22 +279,13 @@ class TrainingLoop:
 
     def finish(self, extra: dict | None = None) -> dict:
         """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
-        progress, run = self.progress, self.run
         self.meter.close_bar()
         now = time.perf_counter()
-        test_metrics = self.evaluations.test_metrics
-        summary = run_summary(
-            run, progress, main_metric=self.main_metric, higher_is_better=self.higher_is_better,
-            test_metrics=test_metrics,
-            best_checkpoint=self.keeper.step_dir(progress.best_step) if progress.best_step is not None else None,
-            # Every life's time up to its last checkpoint, plus this life's since then (a killed life's time after
-            # its last checkpoint is lost with its work: it is in no life's kept work).
-            wall_time_sec=progress.wall_time_sec + now - self._wall_mark,
-            wall_time_this_life_sec=now - self._run_started, extra=extra)
-        write_summary(run, summary)
-        if test_metrics:
-            self.accelerator.log({f"best/{k}": v for k, v in test_metrics.items()}, step=progress.global_step)
-        run.end()  # all ranks leave together (rank 0 may still be writing the plot), then the trackers and the group
+        # Every life's time up to its last checkpoint, plus this life's since then (a killed life's time after its
+        # last checkpoint is lost with its work: it is in no life's kept work).
+        summary = finish_run(self.run, self.progress, self.evaluations, self.keeper, extra=extra,
+                             wall_time_sec=self.progress.wall_time_sec + now - self._wall_mark,
+                             wall_time_this_life_sec=now - self._run_started)
         return summary
 
     @property

@@ -31,6 +31,17 @@ def make_optimizer(choice: str, parameters, *, lr: float, weight_decay: float = 
     raise UsageError(f"--optimizer {choice} is not known; give one of {', '.join(CHOICES)}")
 
 
+def step_optimizer(accelerator, model, max_grad_norm: float, optimizer, scheduler=None) -> None:
+    """Clip the gradients to max_grad_norm (0: off) when they sync (the last micro-batch of an accumulation window),
+    step the optimizer and the scheduler (Accelerate's wrappers skip both inside a window), zero the gradients."""
+    if max_grad_norm and accelerator.sync_gradients:
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -57,3 +58,21 @@ def requeue_job(max_requeues: int, announce=print) -> None:
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode != 0:
         announce(f"scontrol requeue {job} failed: {result.stderr.strip()}; resume with --resume-from auto")
+
+
+def requeue_and_exit(run, step: int, max_requeues: int) -> None:
+    """After the pre-empted step's checkpoint: the main process requeues the job (capped) and says so, flushed (the
+    requeue may end this process right after); every rank leaves the process group together and exits 0."""
+    from tqdm.auto import tqdm
+
+    from toolkit import shutdown
+
+    if run.is_main:
+        def announce(what: str) -> None:
+            tqdm.write(f"pre-empted at step {step}: checkpoint saved; {what}")
+            sys.stdout.flush()
+
+        requeue_job(max_requeues, announce)
+    run.ended = True
+    shutdown.end_process_group(run.accelerator)
+    raise SystemExit(0)

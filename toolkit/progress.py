@@ -1,4 +1,5 @@
-"""Where a run is: the loop's counters, saved in every checkpoint as progress.json, and the run's length in steps."""
+"""Where a run is: the loop's counters, saved in every checkpoint as progress.json; the run's length in steps; the
+rest of an epoch after a resume."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from toolkit.errors import TrainingStopped
 
 
 @dataclass
@@ -45,3 +48,20 @@ def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) 
     else:
         total = math.ceil(batches_per_epoch / config.grad_accum) * config.epochs
     return min(total, config.max_steps) if config.max_steps is not None else total
+
+
+def rest_of_epoch(accelerator, loader, batches_done: int):
+    """The micro-batches of the current epoch after the first `batches_done` (a resume mid-epoch): with the
+    sampler's epoch set, they are exactly the ones an uninterrupted run takes next."""
+    return accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+
+
+def require_whole_epoch(batches_done: int, batches_in_epoch: int, epoch: int) -> None:
+    """The loader ran out: it must have given the whole epoch. Short of it, end_epoch() would never close the epoch
+    and the loop would ask for the same (empty) rest of it forever; one line instead."""
+    if batches_done < batches_in_epoch:
+        raise TrainingStopped(
+            f"the training data of epoch {epoch + 1} ended after {batches_done} of its {batches_in_epoch} batches: "
+            "the resume position or the loader's length is wrong, so the run could never reach its end; the "
+            "checkpoints are kept (report this with the run's config.json)"
+        )

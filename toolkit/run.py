@@ -95,12 +95,14 @@ class Run:
 
     def __exit__(self, kind, error, traceback) -> None:
         """`with start_run(cfg, recipe=...) as run:` ends the run on every path: a normal end leaves together (end);
-        an exception releases what runs without waiting for the other ranks, and leaves the process group alone
-        when the failure may have broken it (toolkit.shutdown)."""
+        a failure every rank shares (bad input, an agreed stop, a pre-emption) releases what runs without waiting
+        for the others. A failure that may have broken the process group (a lost peer, a bug) is left to
+        one_line_errors and the exit hook (toolkit.shutdown): they first name the lost rank from the heartbeat, which
+        releasing here would stop, and never destroy a broken group."""
         if error is None:
             self.end()
-        else:
-            shutdown.release(broken=shutdown.breaks_group(error))
+        elif not shutdown.breaks_group(error):
+            shutdown.release()
 
     def end(self) -> None:
         """The normal end, on every rank (a collective): the ranks meet, the trackers and the process group end.

@@ -46,3 +46,20 @@ def write_summary(run, summary: dict) -> None:
         run.print(f"curves.png not drawn: {missing}")
     except OSError as error:
         raise checkpoint.disk_error(error, run.output_dir) from None
+
+
+def finish_run(run, progress: Progress, evaluations, keeper, *, extra: dict | None, wall_time_sec: float,
+               wall_time_this_life_sec: float) -> dict:
+    """The end of a run on every rank: summary.json and curves.png (main process), the test metrics logged, then
+    the run ends (all ranks leave together: rank 0 may still be writing the plot; the trackers and the group)."""
+    test_metrics = evaluations.test_metrics
+    best = keeper.step_dir(progress.best_step) if progress.best_step is not None else None
+    summary = run_summary(run, progress, main_metric=evaluations.main_metric,
+                          higher_is_better=evaluations.higher_is_better, test_metrics=test_metrics,
+                          best_checkpoint=best, wall_time_sec=wall_time_sec,
+                          wall_time_this_life_sec=wall_time_this_life_sec, extra=extra)
+    write_summary(run, summary)
+    if test_metrics:
+        run.accelerator.log({f"best/{k}": v for k, v in test_metrics.items()}, step=progress.global_step)
+    run.end()
+    return summary
