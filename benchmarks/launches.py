@@ -1,0 +1,175 @@
+"""Kernels and host syncs per optimizer step of a recipe's real loop, counted on any machine.
+
+    python benchmarks/launches.py --recipe ufs_emulator     # each recipe at its default preset
+    python benchmarks/launches.py --recipe sasrec --steps 40 --warmup 5
+    python benchmarks/launches.py --recipe hrm -- --batch-size 32      # flags after -- go to the recipe
+
+The recipe's own main() runs in this process (TrainingLoop, Accelerator, the recipe's step, everything it does per
+step) on generated data (SASRec: MovieLens-100K from --cache-dir), for --warmup + --steps optimizer steps. Over the
+last --steps (the steady state; evaluations, checkpoints and the loader's own work on the host, its sampler and
+collate, are left out) a TorchDispatchMode counts every aten op dispatched (the profiler's record_function marks
+apart):
+
+- an op that is not a view is one kernel launch on a GPU (a foreach or fused op: one, though CUDA may split it);
+- a sync is an op that needs a device value on the host: `_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`,
+  `int(t)`), `nonzero`, `masked_select`, the `unique` family, and the tensor methods that copy to the host without a
+  dispatch on a CPU tensor, counted by wrapping them: `.tolist()`, `.cpu()`, `.numpy()`.
+
+Prints a table by op (count per step, most first; syncs marked), then `syncs/step = X` and `kernels/step = Y` last.
+On CPU the counts are those a GPU would see: where the tensors live does not change which ops run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import toolkit  # noqa: E402, F401  first, before torch (the recipes' rule)
+
+RECIPES = ("ufs_emulator", "sasrec", "dcrnn", "hrm")
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "unique_dim_consecutive", "item"}
+MARKERS = {"_record_function_enter", "_record_function_enter_new", "_record_function_exit"}  # profiler marks: no kernel
+HOST_COPIES = ("tolist", "cpu", "numpy")  # no dispatch on a CPU tensor: wrapped and counted by name
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name while `counting` is set (views apart: they launch nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting = False
+        self.ops: collections.Counter = collections.Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            if func.is_view:
+                self.views += 1
+            else:
+                self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_host_copies(counter: OpCounter) -> None:
+    for name in HOST_COPIES:
+        original = getattr(torch.Tensor, name)
+
+        def wrapped(self, *args, _original=original, _name=name, **kwargs):
+            if counter.counting:
+                counter.ops[f".{_name}()"] += 1
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, wrapped)
+
+
+def generated_data(recipe: str, where: Path) -> list[str]:
+    """The flags that point a recipe at generated data (made here, small enough to make in seconds)."""
+    if recipe == "ufs_emulator":
+        from toolkit.data.ufs import synthesize
+
+        return ["--data", str(synthesize(where / "gdas-like.nc", seed=0))]
+    if recipe == "dcrnn":
+        from toolkit.data.traffic import generate, write_dataset
+
+        write_dataset(where / "synth-la", *generate(sensors=50, days=28, seed=0, progress=False))
+        return ["--data", str(where / "synth-la")]
+    return []  # sasrec: ml-100k from the cache dir; hrm: generated puzzles
+
+
+def load_recipe(recipe: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", ROOT / "recipes" / f"{recipe}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None) -> tuple[dict, int]:
+    from toolkit import evaluation, loop
+
+    counter = OpCounter()
+    _count_host_copies(counter)
+    first, last = warmup, warmup + steps
+
+    def window(training_loop) -> None:  # after each optimizer step: count steps first+1 .. last
+        counter.counting = first <= training_loop.progress.global_step < last
+
+    def paused(method):  # evaluations and checkpoints are not the steady state
+        def wrapper(*args, **kwargs):
+            was, counter.counting = counter.counting, False
+            try:
+                return method(*args, **kwargs)
+            finally:
+                counter.counting = was
+
+        return wrapper
+
+    class PausedFetch:  # the loader's work on the host (sampler, collate): host tensors, no device sync
+        def __init__(self, iterable):
+            self.iterator = iter(iterable)
+
+        def __iter__(self):
+            return self
+
+        @paused
+        def __next__(self):
+            return next(self.iterator)
+
+    rest_of_epoch = loop.rest_of_epoch
+    loop.rest_of_epoch = lambda *args: PausedFetch(rest_of_epoch(*args))
+    loop.AFTER_STEP_HOOKS.append(window)
+    evaluation.Evaluations.validate = paused(evaluation.Evaluations.validate)
+    loop.TrainingLoop.save = paused(loop.TrainingLoop.save)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = ["--cache-dir", str(cache_dir)] if cache_dir else []
+        argv = [*generated_data(recipe, Path(tmp)), "--max-steps", str(last), "--output-dir", f"{tmp}/run",
+                "--log-with", "none", "--checkpoint-every", "0", *cache, *extra]
+        main = load_recipe(recipe).main
+        with counter:
+            main(argv)
+    return dict(counter.ops), steps
+
+
+def report(ops: dict, steps: int) -> tuple[float, float]:
+    ops = {name: n for name, n in ops.items() if name not in MARKERS}
+    syncs = sum(n for name, n in ops.items() if name in SYNC_OPS or name.startswith("."))
+    kernels = sum(n for name, n in ops.items() if not name.startswith("."))
+    print(f"{'op':<40} {'per step':>10}")
+    for name, n in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
+        mark = "  sync" if name in SYNC_OPS or name.startswith(".") else ""
+        print(f"{name:<40} {n / steps:>10.2f}{mark}")
+    return syncs / steps, kernels / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", choices=RECIPES, required=True)
+    parser.add_argument("--warmup", type=int, default=3, help="optimizer steps before counting")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps counted (the steady state)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="the recipe's --cache-dir (default: its own)")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1")
+    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir)
+    syncs, kernels = report(ops, steps)
+    print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}")
+    print(f"syncs/step = {syncs:.3f}")
+    print(f"kernels/step = {kernels:.1f}")
+
+
+if __name__ == "__main__":
+    main()
