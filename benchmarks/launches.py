@@ -6,9 +6,9 @@
 
 The recipe's own main() runs in this process (TrainingLoop, Accelerator, the recipe's step, everything it does per
 step) on generated data (SASRec: MovieLens-100K from --cache-dir), for --warmup + --steps optimizer steps. Over the
-last --steps (the steady state; evaluations, checkpoints and the loader's own work on the host, its sampler and
-collate, are left out) a TorchDispatchMode counts every aten op dispatched (the profiler's record_function marks
-apart):
+last --steps (the steady state; evaluations, checkpoints, epoch ends, each with the read of the loss it needs first,
+and the loader's own work on the host, its sampler and collate, are left out) a TorchDispatchMode counts every aten
+op dispatched (the profiler's record_function marks apart):
 
 - an op that is not a view is one kernel launch on a GPU (a foreach or fused op: one, though CUDA may split it);
 - a sync is an op that needs a device value on the host: `_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`,
@@ -46,11 +46,12 @@ HOST_COPIES = ("tolist", "cpu", "numpy")  # no dispatch on a CPU tensor: wrapped
 class OpCounter(TorchDispatchMode):
     """Counts aten ops by name while `counting` is set (views apart: they launch nothing)."""
 
-    def __init__(self):
+    def __init__(self, where: str | None = None):
         super().__init__()
         self.counting = False
         self.ops: collections.Counter = collections.Counter()
         self.views = 0
+        self.where, self.callers = where, collections.Counter()  # --where OP: the code that dispatches OP
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.counting:
@@ -58,7 +59,17 @@ class OpCounter(TorchDispatchMode):
                 self.views += 1
             else:
                 self.ops[func.overloadpacket.__name__] += 1
+                if func.overloadpacket.__name__ == self.where:
+                    self.callers[_our_frames()] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _our_frames() -> str:
+    """The innermost frames of the project's own code (recipes/, toolkit/), as file:line < file:line ..."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-2] if "/recipes/" in f.filename or "/toolkit/" in f.filename]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
 
 
 def _count_host_copies(counter: OpCounter) -> None:
@@ -68,6 +79,8 @@ def _count_host_copies(counter: OpCounter) -> None:
         def wrapped(self, *args, _original=original, _name=name, **kwargs):
             if counter.counting:
                 counter.ops[f".{_name}()"] += 1
+                if counter.where == f".{_name}()":
+                    counter.callers[_our_frames()] += 1
             return _original(self, *args, **kwargs)
 
         setattr(torch.Tensor, name, wrapped)
@@ -95,10 +108,11 @@ def load_recipe(recipe: str):
     return module
 
 
-def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None) -> tuple[dict, int]:
-    from toolkit import evaluation, loop
+def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None,
+          where: str | None = None) -> tuple[dict, int]:
+    from toolkit import loop
 
-    counter = OpCounter()
+    counter = OpCounter(where)
     _count_host_copies(counter)
     first, last = warmup, warmup + steps
 
@@ -129,15 +143,18 @@ def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Pat
     rest_of_epoch = loop.rest_of_epoch
     loop.rest_of_epoch = lambda *args: PausedFetch(rest_of_epoch(*args))
     loop.AFTER_STEP_HOOKS.append(window)
-    evaluation.Evaluations.validate = paused(evaluation.Evaluations.validate)
-    loop.TrainingLoop.save = paused(loop.TrainingLoop.save)
+    for name in ("_validate", "save", "end_epoch"):  # each reads the unread losses first: its own cost
+        setattr(loop.TrainingLoop, name, paused(getattr(loop.TrainingLoop, name)))
     with tempfile.TemporaryDirectory() as tmp:
         cache = ["--cache-dir", str(cache_dir)] if cache_dir else []
-        argv = [*generated_data(recipe, Path(tmp)), "--max-steps", str(last), "--output-dir", f"{tmp}/run",
+        # one step past the window: the last step's own read (the run's end) is not the steady state
+        argv = [*generated_data(recipe, Path(tmp)), "--max-steps", str(last + 1), "--output-dir", f"{tmp}/run",
                 "--log-with", "none", "--checkpoint-every", "0", *cache, *extra]
         main = load_recipe(recipe).main
         with counter:
             main(argv)
+    for caller, n in counter.callers.most_common(8):
+        print(f"{where} {n / steps:8.2f}/step  {caller}")
     return dict(counter.ops), steps
 
 
@@ -160,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", choices=RECIPES, required=True)
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps before counting")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps counted (the steady state)")
+    parser.add_argument("--where", default=None, metavar="OP",
+                        help="also print where the project's code dispatches OP (e.g. _local_scalar_dense, .tolist())")
     parser.add_argument("--cache-dir", type=Path, default=None, help="the recipe's --cache-dir (default: its own)")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1")
-    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir)
+    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where)
     syncs, kernels = report(ops, steps)
     print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}")
     print(f"syncs/step = {syncs:.3f}")

@@ -213,10 +213,9 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         use_teacher = None
         if cfg.sampling_decay_steps:
             step = loop.progress.global_step
-            coins = keyed_uniform(
-                cfg.seed, TEACHER_COINS, step, batch["window"][:, None].cpu(), torch.arange(OUTPUT_STEPS)[None, :]
-            )
-            use_teacher = (coins < sampling_probability(step, cfg.sampling_decay_steps)).to(truth.device)
+            horizons = torch.arange(OUTPUT_STEPS, device=truth.device)[None, :]
+            coins = keyed_uniform(cfg.seed, TEACHER_COINS, step, batch["window"][:, None], horizons)  # on the device
+            use_teacher = coins < sampling_probability(step, cfg.sampling_decay_steps)
         return masked_mae(model(batch["x"], scaler.transform(truth), use_teacher), truth, scaler, accelerator)
 
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------

@@ -227,20 +227,32 @@ class Carry:
 
 
 class MetricSums:
-    """Shared checkpoint state: training sums (over ranks) since the last log line."""
+    """Shared checkpoint state: training sums (over ranks) since the last log line, kept on the device (float64) and
+    read on the host only when logged or saved."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
+        self.names: list[str] = []
+        self.totals: torch.Tensor | None = None
 
-    def add(self, sums: dict) -> None:
-        for name, value in sums.items():
-            self.sums[name] = self.sums.get(name, 0.0) + float(value)
+    def add(self, names: list[str], totals: torch.Tensor) -> None:
+        self.names = list(names)
+        self.totals = totals.double() if self.totals is None else self.totals.to(totals.device) + totals.double()
+
+    @property
+    def sums(self) -> dict[str, float]:
+        if self.totals is None:
+            return {}
+        return dict(zip(self.names, self.totals.tolist(), strict=True))
+
+    def clear(self) -> None:
+        self.totals = None
 
     def state_dict(self):
-        return {"sums": dict(self.sums)}
+        return {"sums": self.sums}
 
     def load_state_dict(self, saved):
-        self.sums = dict(saved["sums"])
+        self.names = list(saved["sums"])
+        self.totals = torch.tensor(list(saved["sums"].values()), dtype=torch.float64) if saved["sums"] else None
 
 
 def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) -> torch.Tensor:
@@ -336,6 +348,14 @@ def train(run: Run, cfg: HRMConfig) -> dict:
                 f"{prefix}_token_accuracy": right / (puzzles * CELLS), f"{prefix}_q_halt_accuracy": q_right / puzzles,
                 f"{prefix}_puzzles": puzzles}
 
+    def log_train_sums(values: list[float]) -> None:  # read with the loss, every --log-every steps
+        step = loop.progress.global_step
+        accelerator.log({**ratios(dict(zip(train_sums.names, values, strict=True))),
+                         "train/lr": cfg.lr * warmup(step - 1)}, step=step)
+        train_sums.clear()
+
+    loop.read_with_loss(lambda: train_sums.totals, log_train_sums)
+
     # ---- train: one segment per batch; halted rows take new puzzles, the others go on thinking -------------
     loop.start()
     for _ in loop.epochs():
@@ -358,12 +378,9 @@ def train(run: Run, cfg: HRMConfig) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 puzzle_optimizer.zero_grad()
             carry.state = outputs["carry"]
-            totals = torch.stack([loss.detach().double(), *sums.values()]).to(accelerator.device)
-            totals = accelerator.reduce(totals, reduction="sum").cpu()  # every rank's rows
-            train_sums.add(dict(zip(sums, totals[1:].tolist(), strict=True)))
-            if step % cfg.log_every == 0:
-                accelerator.log({**ratios(train_sums.sums), "train/lr": cfg.lr * warmup(step - 1)}, step=step)
-                train_sums.sums.clear()
+            totals = torch.stack([loss.detach().double(), *sums.values()])
+            totals = accelerator.reduce(totals, reduction="sum")  # every rank's rows: a collective, no host read
+            train_sums.add(list(sums), totals[1:])
             loop.record_loss(totals[0].float() / cfg.batch_size)
         loop.end_epoch()
 

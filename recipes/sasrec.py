@@ -51,7 +51,7 @@ from toolkit.loop import TrainingLoop
 from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
 from toolkit.models.sasrec import SASRec
 from toolkit.optim import make_optimizer, model_line
-from toolkit.randomness import sample_negatives
+from toolkit.randomness import UntouchedItems, sample_negatives
 from toolkit.run import Run, main_process_first, start_run
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
@@ -171,7 +171,7 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
         )
     prepared.describe(run, users=meta["num_users"], items=meta["num_items"])
     touched = split.touched.to(accelerator.device)  # evaluation: candidates the user never touched at all
-    train_touched = split.train_touched.to(accelerator.device)  # training negatives: outside the training items
+    train_negatives = UntouchedItems(split.train_touched.to(accelerator.device))  # outside the training items
     eval_negatives = sample_negatives(
         split.touched, split.eval_users, torch.arange(cfg.eval_negatives),
         seed=cfg.seed, purpose=EVAL_NEGATIVES, epoch=0,
@@ -228,8 +228,9 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
         hidden = model(inputs, batch["time"] if time_aware else None)
         negatives = None
         if cfg.loss == "bce":
-            negatives = sample_negatives(train_touched, batch["user"], torch.arange(inputs.shape[1]), seed=cfg.seed,
-                                         purpose=TRAIN_NEGATIVES, epoch=loop.progress.epoch)
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+            negatives = train_negatives.sample(batch["user"], positions, seed=cfg.seed, purpose=TRAIN_NEGATIVES,
+                                               epoch=loop.progress.epoch)
         return next_item_loss(scorer, hidden, targets, negatives, accelerator)
 
     def ranking_metrics(loader, prefix):

@@ -118,3 +118,23 @@ def test_total_training_steps_counts_windows_and_caps_at_max_steps():
 ])
 def test_which_ends_leave_the_process_group_alone(error, broken):
     assert breaks_group(error) is broken
+
+
+def test_step_losses_read_many_steps_in_one_copy_as_the_same_floats():
+    from toolkit.losses import StepLosses
+
+    losses = StepLosses(read_every=3)
+    values = [[0.1, 0.2], [0.3], [float("nan")]]
+    for step, micro in enumerate(values, start=1):
+        for value in micro:
+            losses.record(torch.tensor(value, dtype=torch.float32))
+        losses.close_step(step, epoch=0)
+        assert losses.read_due(step) == (step == 3)
+    rider = torch.tensor([1.5, 2.5], dtype=torch.float64)
+    reads, carried = losses.read(rider)
+    assert [r.step for r in reads] == [1, 2, 3] and losses.unread == 0
+    for read, micro in zip(reads, values, strict=True):  # exactly what float() of each float32 loss gives
+        assert read.micro_batches == [float(torch.tensor(v, dtype=torch.float32)) for v in micro] or math.isnan(
+            read.mean)
+    assert carried == [1.5, 2.5]
+    assert losses.read() == ([], [])

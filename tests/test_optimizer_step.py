@@ -16,7 +16,7 @@ from toolkit.losses import StepLosses
 def stand_in_loop(accelerator, model, max_grad_norm: float) -> SimpleNamespace:
     """The attributes optimizer_step reads, without a run directory (the method is called unbound on it)."""
     loop = SimpleNamespace(accelerator=accelerator, model=model, config=SimpleNamespace(max_grad_norm=max_grad_norm),
-                           losses=StepLosses())
+                           losses=StepLosses(read_every=1))
     loop.record_loss = lambda loss: TrainingLoop.record_loss(loop, loss)
     return loop
 
@@ -63,7 +63,7 @@ def test_two_accumulated_micro_batches_clip_once_step_once_and_record_both_losse
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-7)
         assert mine.grad is None  # zeroed (set to None) after the step
     loop.losses.close_step(2, 0)
-    (read,) = loop.losses.read()
+    (read,), _ = loop.losses.read()
     assert read.step == 2 and len(read.micro_batches) == 4 and all(v > 0 for v in read.micro_batches)
     if max_grad_norm:  # the clip mattered: the unclipped steps end elsewhere
         assert (by_hand(0.0).weight - model.weight).abs().max() > 1e-2

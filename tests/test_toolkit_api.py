@@ -239,3 +239,21 @@ def test_accelerated_zero_grad_still_reads_the_optimizers_signature():
     assert "set_to_none" in ask(sgd.zero_grad).parameters
     assert "set_to_none" not in ask(other.zero_grad).parameters
     assert ask(sgd.zero_grad) is ask(torch.optim.SGD([weight]).zero_grad)  # once per function, not per call
+
+
+@pytest.mark.parametrize("checkpoint_every, read_at, kept", [("4", 8, "step_4"), ("0", 10, "step_6")])
+def test_a_non_finite_loss_read_at_the_cadence_stops_within_it_and_no_checkpoint_holds_it(checkpoint_every, read_at,
+                                                                                          kept, tmp_path):
+    # The loss is read on the host every --log-every 10 steps and before every checkpoint (an epoch is 6 steps): a
+    # NaN at step 7 is found at the first of those reads (step 8's checkpoint, or step 10), named with its own step,
+    # and the run stops there; the checkpoint before it is the newest, and none after step 6 exists.
+    out = tmp_path / "run"
+    result = run_recipe(["--log-every", "10", "--diverge-at-step", "7", "--checkpoint-every", checkpoint_every,
+                         "--eval-every-steps", "100", "--epochs", "20", "--keep-checkpoints", "20",
+                         "--output-dir", str(out)], recipe=TOY, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr
+    assert f"the training loss is nan at step 7 (read {read_at - 7} step(s) later" in errors[0], errors[0]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints[-1] == kept and all(int(name.split("_")[1]) < 7 for name in checkpoints)
+    assert f"the last good checkpoint ({kept})" in errors[0]

@@ -72,7 +72,8 @@ class TrainingLoop:
         self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
         self._stop_request: str | None = None
         self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
-        self.losses = StepLosses()  # read on the host at a cadence (toolkit/losses.py)
+        self.losses = StepLosses(read_every=run.config.log_every)  # read on the host at a cadence (losses.py)
+        self._rider = None
         self.keeper = CheckpointKeeper(run, model, dict(state or {}), self.rank_state)
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
@@ -109,7 +110,7 @@ class TrainingLoop:
                 self.save()
                 self._save_due = False
         if progress.last_eval_step != progress.global_step:
-            self.evaluations.validate(progress, scheduled=self._evaluation_due())
+            self._validate(scheduled=self._evaluation_due())
         self.save()
         randomness.end_micro_batches()
 
@@ -162,6 +163,11 @@ class TrainingLoop:
         rank_loss=, which does it. For a step that optimizer_step does not fit (HRM's two optimizers)."""
         self.losses.record(loss)
 
+    def read_with_loss(self, provide, consume) -> None:
+        """A recipe's own device values (e.g. training sums to log) read in the loss's copy, every --log-every steps:
+        provide() -> a tensor or None (nothing to read), consume(values: list[float]) with its values."""
+        self._rider = (provide, consume)
+
     def request_stop(self, reason: str) -> None:
         """End the run early (e.g. early stopping): at the next step boundary or epoch end every rank stops, the
         final step is evaluated and checkpointed, and `reason` goes into summary.json."""
@@ -173,9 +179,10 @@ class TrainingLoop:
         self.run.print(f"stopping at step {self.progress.global_step}: {self.progress.stop_reason}")
 
     def _after_optimizer_step(self, end_of_epoch: bool) -> None:
-        """Close the step's losses; at the read cadence, or when this step is evaluated, saved or the last: read them
-        (guards, bar, log) and agree with the other ranks (pre-empted, diverged, a stop); then the mid-epoch
-        evaluation and checkpoint when due (an epoch end or the loop's end does those itself)."""
+        """Close the step's losses. At the read cadence (--log-every; every step for one process with a signal or a
+        stop pending) or at the last step: read them (guards, bar, log) and agree with the other ranks (pre-empted,
+        diverged, a stop). Then the mid-epoch evaluation and checkpoint when due, each reading first (an epoch end or
+        the loop's end does those itself)."""
         cfg, progress = self.config, self.progress
         step = progress.global_step
         self.losses.close_step(step, progress.epoch)
@@ -183,24 +190,23 @@ class TrainingLoop:
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             self.stopped = True
-        evaluate = bool(cfg.eval_every_steps) and not (self.stopped or end_of_epoch) and self._evaluation_due()
-        save = mid_epoch_save_due(cfg.checkpoint_every, step, new_best=False)
-        if not (self.losses.read_due(step) or end_of_epoch or self.stopped or evaluate or save):
-            return
-        problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg)
-        agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
-                       stop=self._stop_request is not None)
-        if agreed.diverged:
-            self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
-        if agreed.preempted:
-            self._checkpoint_requeue_and_exit()
-        if agreed.stop:
-            self._take_stop_request()
+        pending = self.accelerator.num_processes == 1 and (preemption._requested or self._stop_request is not None)
+        if self.losses.read_due(step) or self.stopped or pending:
+            rider = self._rider if self.losses.read_due(step) else None
+            problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg, rider)
+            agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
+                           stop=self._stop_request is not None)
+            if agreed.diverged:
+                self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
+            if agreed.preempted:
+                self._checkpoint_requeue_and_exit()
+            if agreed.stop:
+                self._take_stop_request()
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
         new_best = False
-        if evaluate:
-            self.evaluations.validate(progress)
+        if cfg.eval_every_steps and self._evaluation_due():
+            self._validate()
             if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
                 self._take_stop_request()
                 return  # the loop's end saves this step, with the stop reason in it
@@ -230,10 +236,22 @@ class TrainingLoop:
         progress.batches_done = 0
         last = self.stopped or progress.epoch >= cfg.epochs
         due = self._evaluation_due()
-        metrics = self.evaluations.validate(progress, scheduled=due) if due or last else None
+        metrics = self._validate(scheduled=due) if due or last else None
         new_best = metrics is not None and progress.best_step == progress.global_step
         self._save_due = epoch_end_save_due(cfg.checkpoint_every, progress.global_step, new_best, last)
         return metrics
+
+    def _validate(self, scheduled: bool = True) -> dict:
+        """Evaluate and write the metrics row, once the row's training losses are read."""
+        self._catch_up()
+        return self.evaluations.validate(self.progress, scheduled=scheduled)
+
+    def _catch_up(self) -> None:
+        """Read the losses not read yet (before an evaluation or a checkpoint): a bad one stops the run here, on every
+        rank (each read the same global losses), and no checkpoint is written."""
+        problem = read_and_count(self.losses, self.progress, self.meter, self.accelerator, self.config)
+        if problem is not None:
+            self._stop_without_saving(problem)
 
     def _evaluation_due(self) -> bool:
         cfg, progress = self.config, self.progress
@@ -244,9 +262,7 @@ class TrainingLoop:
         """A complete checkpoint of the current position (collective), once per step; never of a diverged one."""
         if self.keeper.saved(self.progress.global_step):
             return
-        problem = read_and_count(self.losses, self.progress, self.meter, self.accelerator, self.config)
-        if problem is not None:  # every rank read the same global losses: all of them stop here
-            self._stop_without_saving(problem)
+        self._catch_up()
         now = time.perf_counter()
         self.progress.wall_time_sec += now - self._wall_mark
         self._wall_mark = now

@@ -169,30 +169,36 @@ def rank_dependent_dropout_line(model: torch.nn.Module) -> str | None:
             "train as one and a resume on another process count differs; use toolkit.randomness.KeyedDropout")
 
 
-def sample_negatives(
-    touched: torch.Tensor,
-    users: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    seed: int,
-    purpose: int,
-    epoch: int,
-    max_tries: int = 64,
-) -> torch.Tensor:
-    """One item per (user, position) that the user never touched, drawn uniformly from 1..num_items.
+class UntouchedItems:
+    """Negatives for sequential recommendation: per (user, position), one item the user never touched, drawn
+    uniformly from that user's untouched items, as a pure function of (seed, purpose, epoch, user, position).
 
-    touched: bool [num_users, num_items + 1] on the batch's device; users: [B]; positions: [P].
-    Returns int64 [B, P]; a pure function of (seed, purpose, epoch, user, position), vectorised over the batch.
-    """
-    num_items = touched.shape[1] - 1
-    users = users.view(-1, 1)
-    positions = positions.view(1, -1).to(users.device)
-    items = torch.zeros(users.shape[0], positions.shape[1], dtype=torch.int64, device=users.device)
-    pending = torch.ones_like(items, dtype=torch.bool)
-    for attempt in range(max_tries):
-        draw = 1 + keyed_hash(seed, purpose, epoch, users, positions, attempt) % num_items
-        items = torch.where(pending, draw, items)
-        pending = touched[users, items]
-        if not bool(pending.any()):
-            return items
-    raise RuntimeError(f"could not sample untouched items in {max_tries} tries: a user touched almost every item")
+    Built once from `touched` (bool [num_users, num_items + 1], column 0 the padding item): each user's untouched items
+    in one table row, so a draw is one keyed hash and one gather, vectorised over the batch, with no data-dependent
+    branch and nothing read on the host (the rejection loop it replaces read `pending.any()` on the host after every
+    attempt: a sync per attempt on a GPU). The table is int32 [num_users, most untouched items]."""
+
+    def __init__(self, touched: torch.Tensor):
+        untouched = ~touched.bool()
+        untouched[:, 0] = False  # the padding item is never a negative
+        self.counts = untouched.sum(dim=1)
+        if bool((self.counts == 0).any()):  # once, at construction
+            user = int(torch.nonzero(self.counts == 0)[0, 0])
+            raise ValueError(f"user {user} touched every item: no negative can be drawn for them")
+        # Stable sort of "touched" (False first): each row starts with its untouched items in increasing order.
+        order = torch.sort((~untouched).to(torch.uint8), dim=1, stable=True).indices
+        self.table = order[:, : int(self.counts.max())].to(torch.int32)
+
+    def sample(self, users: torch.Tensor, positions: torch.Tensor, *, seed: int, purpose: int,
+               epoch: int) -> torch.Tensor:
+        """int64 [B, P]: users [B] (on the table's device), positions [P]."""
+        users = users.view(-1, 1)
+        positions = positions.view(1, -1).to(users.device)
+        rank = keyed_hash(seed, purpose, epoch, users, positions) % self.counts[users]
+        return self.table[users, rank].long()
+
+
+def sample_negatives(touched: torch.Tensor, users: torch.Tensor, positions: torch.Tensor, *, seed: int, purpose: int,
+                     epoch: int) -> torch.Tensor:
+    """UntouchedItems(touched).sample(...): for a one-off draw (a sampler used every step is built once)."""
+    return UntouchedItems(touched).sample(users, positions, seed=seed, purpose=purpose, epoch=epoch)

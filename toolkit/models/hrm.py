@@ -170,6 +170,18 @@ class PuzzleEmbedding(nn.Module):
         return rows
 
 
+def same_id_groups(ids: torch.Tensor) -> torch.Tensor:
+    """For each position, a group number shared by the positions holding the same id (0 .. distinct - 1, in sorted
+    id order): torch.unique's inverse, but of a size known in advance (unique's is read on the host: a sync)."""
+    order = torch.sort(ids, stable=True).indices
+    sorted_ids = ids[order]
+    starts = torch.ones_like(sorted_ids, dtype=torch.int64)
+    starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
+    group = torch.empty_like(order)
+    group[order] = torch.cumsum(starts, 0) - 1
+    return group
+
+
 class SparseSignSGD:
     """SignSGD with decoupled weight decay on the rows of the table present in the global batch:
     row <- row (1 - lr wd) - lr sign(sum of that row's gradients over every rank's batch).
@@ -190,12 +202,12 @@ class SparseSignSGD:
             return
         grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
         grads, all_ids = self.gather(grad.float().contiguous()), self.gather(ids.contiguous())
-        unique, inverse = torch.unique(all_ids, return_inverse=True)
-        summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype, device=grads.device)
-        summed.index_add_(0, inverse, grads)
+        group = same_id_groups(all_ids)
+        summed = torch.zeros_like(grads).index_add_(0, group, grads)  # each id's gradients, in batch order
         table = self.embedding.table
-        updated = table[unique] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed).to(table.dtype)
-        table[unique] = updated
+        # Every row of an id gets the same new value, so writing them all (duplicates included) is one update per id.
+        updated = table[all_ids] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed[group]).to(table.dtype)
+        table[all_ids] = updated
 
     def zero_grad(self) -> None:
         self.embedding.batch_rows = self.embedding.batch_ids = None
@@ -223,29 +235,37 @@ class AdamATan2(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter with a gradient, as foreach ops over each group's parameters that share a
+        step count (the arithmetic, element by element, of the per-parameter formula above). The step count is a
+        Python number in the state: reading a tensor's on the host was a sync per parameter on a GPU."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+            by_step: dict[float, list] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = 0.0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = float(state["step"])
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                p.mul_(1 - lr * decay)
-                m.lerp_(p.grad, 1 - beta1)
-                v.lerp_(p.grad.square(), 1 - beta2)
-                step_size = lr / (1 - beta1**step)
-                denom = v.sqrt() / math.sqrt(1 - beta2**step)
-                p.sub_(torch.atan2(m, denom), alpha=step_size)
+                state["step"] = float(state["step"]) + 1  # (a checkpoint of an older version holds a tensor)
+                by_step.setdefault(state["step"], []).append(p)
+            for step, params in by_step.items():
+                grads = [p.grad for p in params]
+                ms = [self.state[p]["exp_avg"] for p in params]
+                vs = [self.state[p]["exp_avg_sq"] for p in params]
+                torch._foreach_mul_(params, 1 - lr * decay)
+                torch._foreach_lerp_(ms, grads, 1 - beta1)
+                torch._foreach_lerp_(vs, torch._foreach_mul(grads, grads), 1 - beta2)
+                denoms = torch._foreach_sqrt(vs)
+                torch._foreach_div_(denoms, math.sqrt(1 - beta2**step))
+                updates = [torch.atan2(m, d) for m, d in zip(ms, denoms, strict=True)]
+                torch._foreach_add_(params, updates, alpha=-lr / (1 - beta1**step))
         return loss
 
 
