@@ -359,7 +359,6 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     # ---- train: one segment per batch; halted rows take new puzzles, the others go on thinking -------------
     loop.start()
     for _ in loop.epochs():
-        model.train()
         for batch in loop.batches():
             step = loop.progress.global_step + 1  # the optimizer step this batch makes
             data = as_tokens(batch)

@@ -262,7 +262,6 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
     loop.start()
     for _epoch in loop.epochs():
-        model.train()
         for batch in loop.batches():
             with accelerator.accumulate(model):
                 with accelerator.autocast():

@@ -358,7 +358,6 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ------------
     loop.start()
     for _epoch in loop.epochs():
-        model.train()
         for batch in loop.batches():
             with accelerator.accumulate(model):
                 with accelerator.autocast():
