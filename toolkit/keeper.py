@@ -26,6 +26,15 @@ class CheckpointKeeper:
         self.shared_state, self.rank_state = shared_state, rank_state
         self.last_saved_step: int | None = None
 
+    def load_best(self, best_step: int | None, current_step: int) -> Path | None:
+        """The best step's weights into the model, unless they are the current ones; its checkpoint (None: no best)."""
+        if best_step is None:
+            return None
+        best = self.step_dir(best_step)
+        if best_step != current_step:
+            self.load_weights(best)
+        return best
+
     def refuse_another_world_size(self) -> None:
         """Per-rank state (a carry) is one piece per rank: a resume on another process count is refused."""
         run = self.run

@@ -1,26 +1,20 @@
-"""The bookkeeping of a training loop, written once: epochs, exact mid-epoch resume, step counting, per-step
-reseeding, timing, progress bar, evaluation and checkpoint cadence, best-checkpoint tracking, early stopping,
-non-finite guards, the summary.
+"""The training loop written once, as a generator facade a recipe reads top to bottom:
 
-A recipe keeps the parts that are its own (forward, loss, evaluation) and reads:
-
-    loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric="val_ndcg",
-                        state={"scaler": scaler}, rank_state={"carry": carry})
+    loop = TrainingLoop(run, model, train_loader, evaluate=validate, main_metric="val_ndcg", state={"ema": ema})
     loop.start()                                     # after accelerator.prepare(...): takes the run dir, resumes
     for epoch in loop.epochs():
         for batch in loop.batches():                 # may evaluate and checkpoint between steps (cadence)
             with accelerator.accumulate(model):
                 loss, loss_value = ...; accelerator.backward(loss)
                 loop.optimizer_step(optimizer, scheduler, loss=loss_value)   # clip, step, zero, record
-        metrics = loop.end_epoch()                   # evaluates and checkpoints when due
-        if should_stop(metrics): loop.request_stop("no improvement for 5 evaluations")
-    return loop.finish_at_best(run_test)             # best weights, test, summary.json, trackers and group end
+        loop.end_epoch()                             # evaluates and checkpoints when due
+    return loop.finish_at_best(run_test)             # best weights, test, summary.json, the run's end
 
-(or loop.load_best(); loop.test(run_test); exports, Jacobians etc. with grad; loop.finish()). This module is the
-iteration and the order of things (README, "How resume works", says what exact resume needs of it); each part lives
-in its own module: progress (the counters a checkpoint keeps), cadence (when to evaluate and save), losses (the loss
-read on the host at a cadence), agreement (what the ranks decide together), guards (divergence), evaluation
-(evaluate, best, metrics rows), meter (timing, the bar), keeper (save, prune, best, load), summary (summary.json).
+This module is the iteration and the order of things (README, "How resume works", says what exact resume needs of
+it); each part lives in its own module: progress (the counters a checkpoint keeps), cadence (when to evaluate and
+save), losses (the loss read on the host at a cadence), agreement (what the ranks decide together), guards
+(divergence), evaluation (evaluate, best, metrics rows), meter (timing, the bar), keeper (save, prune, best, load),
+summary (summary.json).
 """
 
 from __future__ import annotations
@@ -271,14 +265,8 @@ class TrainingLoop:
     # ---- the end --------------------------------------------------------------------------------------------
     def load_best(self) -> Path | None:
         """Load the best-validation weights (if they are not the current ones); returns their checkpoint."""
-        progress = self.progress
         self.meter.close_bar()
-        if progress.best_step is None:
-            return None
-        best_checkpoint = self.keeper.step_dir(progress.best_step)
-        if progress.best_step != progress.global_step:
-            self.keeper.load_weights(best_checkpoint)
-        return best_checkpoint
+        return self.keeper.load_best(self.progress.best_step, self.progress.global_step)
 
     def test(self, run_test) -> dict:
         """Run `run_test()` (model in eval mode, no_grad) and keep its metrics for summary.json."""
@@ -296,13 +284,10 @@ class TrainingLoop:
     def finish(self, extra: dict | None = None) -> dict:
         """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
         self.meter.close_bar()
-        now = time.perf_counter()
-        # Every life's time up to its last checkpoint, plus this life's since then (a killed life's time after its
-        # last checkpoint is lost with its work: it is in no life's kept work).
-        summary = finish_run(self.run, self.progress, self.evaluations, self.keeper, extra=extra,
-                             wall_time_sec=self.progress.wall_time_sec + now - self._wall_mark,
-                             wall_time_this_life_sec=now - self._run_started)
-        return summary
+        now = time.perf_counter()  # wall time: every life's up to its last checkpoint, and this life's since then
+        return finish_run(self.run, self.progress, self.evaluations, self.keeper, extra=extra,
+                          wall_time_sec=self.progress.wall_time_sec + now - self._wall_mark,
+                          wall_time_this_life_sec=now - self._run_started)
 
     @property
     def total_steps(self) -> int:
