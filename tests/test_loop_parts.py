@@ -138,3 +138,24 @@ def test_step_losses_read_many_steps_in_one_copy_as_the_same_floats():
             read.mean)
     assert carried == [1.5, 2.5]
     assert losses.read() == ([], [])
+
+
+def test_a_gpu_busy_under_30_percent_of_its_first_minute_is_said_once():
+    from toolkit.meter import StepMeter
+
+    def meter_at(busy: float):
+        said, now = [], [0.0]
+        meter = StepMeter(torch.device("cuda"), show_bar=False, say=said.append, utilisation=lambda: busy,
+                          clock=lambda: now[0])
+        for _ in range(200):  # a step every 0.5 s: 100 s of training, a reading a second
+            now[0] += 0.5
+            meter.stepped(epoch=0, step_loss=1.0)
+        return said, meter
+
+    said, meter = meter_at(12.0)
+    assert len(said) == 1 and said[0].startswith("the GPU was busy 12% of the first minute: it waits for the host")
+    assert len(meter.timer.gpu_util) == 100  # one reading a second
+    assert meter_at(55.0)[0] == []  # busy enough: nothing said
+    cpu = StepMeter(torch.device("cpu"), show_bar=False, say=said.append, utilisation=lambda: 0.0)
+    cpu.stepped(epoch=0, step_loss=1.0)
+    assert cpu.timer.gpu_util == []

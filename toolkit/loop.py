@@ -69,7 +69,7 @@ class TrainingLoop:
         self.losses = StepLosses(read_every=run.config.log_every)  # read on the host at a cadence (losses.py)
         self._rider = None
         self.keeper = CheckpointKeeper(run, model, dict(state or {}), self.rank_state)
-        self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main)
+        self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main, say=run.print if run.is_main else None)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life

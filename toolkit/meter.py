@@ -14,6 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 GPU_SAMPLE_SEC = 1.0  # at most one GPU utilisation reading (NVML) a second
+WAITING_WINDOW_SEC = 60.0  # a CUDA run's first minute of training: is the GPU mostly waiting for the host?
+WAITING_BELOW = 30.0  # percent busy
 
 
 @dataclass
@@ -29,10 +31,15 @@ class IntervalTimer:
 
 
 class StepMeter:
-    def __init__(self, device: torch.device, show_bar: bool):
+    def __init__(self, device: torch.device, show_bar: bool, say=None, utilisation=None, clock=time.perf_counter):
+        """say(line): where the one-line notice that the GPU waits goes (None: nowhere); utilisation() and clock():
+        NVML's reading and the time (stand-ins in tests)."""
         self.device = device
         self.show_bar = show_bar  # the main process draws the bar
         self.reads_gpu_utilisation = device.type == "cuda"  # decided once, not looked up every step
+        self.say, self.utilisation, self.clock = say, utilisation or gpu_utilisation, clock
+        self.first_minute: list[float] = []  # utilisation readings of the first WAITING_WINDOW_SEC of training
+        self.first_reading_at: float | None = None
         self.timer = IntervalTimer()
         self.bar = None
         self._postfix_at = float("-inf")  # when the bar's postfix was last formatted
@@ -74,10 +81,29 @@ class StepMeter:
         if self.reads_gpu_utilisation:
             # NVML averages utilisation over its own sample period (1/6 s to 1 s): one reading a second is all there
             # is to read, and asking every step cost the step time of tiny models on the GPU
-            now = time.perf_counter()
+            now = self.clock()
             if now - self.timer.gpu_sampled_at >= GPU_SAMPLE_SEC:
                 self.timer.gpu_sampled_at = now
-                self.timer.gpu_util.append(gpu_utilisation())
+                reading = self.utilisation()
+                self.timer.gpu_util.append(reading)
+                self._watch_first_minute(now, reading)
+
+    def _watch_first_minute(self, now: float, reading: float | None) -> None:
+        """Once the first minute of training is read: if the GPU was busy under WAITING_BELOW percent of it, one line
+        says so and what to try (the step is the host's time: launches, syncs, the loader)."""
+        if self.first_reading_at is None:
+            self.first_reading_at = now
+        if reading is not None and self.first_minute is not None:
+            self.first_minute.append(reading)
+        if self.first_minute is None or now - self.first_reading_at < WAITING_WINDOW_SEC:
+            return
+        readings, self.first_minute = self.first_minute, None  # said at most once
+        if readings and self.say is not None:
+            busy = sum(readings) / len(readings)
+            if busy < WAITING_BELOW:
+                self.say(f"the GPU was busy {busy:.0f}% of the first minute: it waits for the host (kernel launches, "
+                         "syncs, the loader); try a larger per-GPU batch (--batch-size), --compile, or several "
+                         "runs at once on the device")
 
     def interval_seconds(self) -> float:
         return time.perf_counter() - self.timer.started
