@@ -127,8 +127,12 @@ def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves
     (["--grid", "output_dir=a,b"], "--output-dir is set by the sweep"),
     (["--grid", "seed=0", "--max-parallel", "-1"], "--max-parallel -1 is invalid"),
     (["--grid", "seed=0,0"], "repeats a value"),
+    (["--grid", "seed=0", "--runs-per-device", "0"], "--runs-per-device 0 is invalid; give 1 or more"),
+    (["--grid", "seed=0", "--runs-per-device", "2", "--config-file", str(CONFIGS / "cpu_2proc.yaml")],
+     "leave --config-file out"),
+    (["--grid", "seed=0", "--runs-per-device", str(len(os.sched_getaffinity(0)) + 1)], "CPU cores here; give at most"),
 ], ids=["empty-grid", "empty-value", "key-twice", "unknown-flag", "bad-value", "output-dir", "max-parallel",
-        "repeated-value"])
+        "repeated-value", "runs-per-device-0", "runs-per-device-with-config", "runs-per-device-above-cores"])
 def test_bad_sweeps_are_one_line_and_make_nothing(args, fragment, tmp_path):
     result = toolkit("sweep", TOY, *args, "--out", tmp_path / "new", "--", "--max-steps", "2", check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -263,3 +267,28 @@ def test_a_sweep_without_a_launch_config_runs_plain_python_and_its_logs_hold_no_
     assert log.startswith(f"$ {sys.executable} {TOY}") and "[rank 0/1]" in log
     assert "were not passed to `accelerate launch`" not in log and "num_processes" not in log
     assert verify_run(out / "runs" / "seed-0") == []
+
+
+def test_runs_per_device_runs_single_process_runs_side_by_side_each_pinned_to_its_cores(tmp_path):
+    """--runs-per-device 2 on a CPU machine: two runs at once, each on its own half of the cores with as many threads;
+    both started before either ended (the sweep's lines say so), and each is a complete, verifiable run."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    out = tmp_path / "side-by-side"
+    template = str(ROOT / "recipes" / "template.py")
+    env = recipe_env({"HF_HOME": str(tmp_path / "hf")})
+    command = [sys.executable, "-m", "toolkit", "sweep", template, "--grid", "seed=0,1", "--runs-per-device", "2",
+               "--out", str(out), "--", "--max-steps", "20", "--samples", "4096", "--log-with", "none"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    running = [i for i, line in enumerate(lines) if ": running" in line]
+    finished = [i for i, line in enumerate(lines) if ": done in" in line]
+    assert len(running) == 2 and len(finished) == 2 and max(running) < min(finished), lines
+    groups = {line.split(", cores ")[1].rstrip(")") for line in lines if ": running" in line}
+    assert groups == {",".join(map(str, cores[0::2])), ",".join(map(str, cores[1::2]))}
+    for seed in (0, 1):
+        log = (out / "logs" / f"seed-{seed}.log").read_text()
+        assert f"threads={len(cores) // 2}" in log and "--threads" in log.splitlines()[0]
+        assert verify_run(out / "runs" / f"seed-{seed}") == []

@@ -21,13 +21,16 @@ Before anything is made, every value of the grid is checked by the recipe's own 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
 import os
+import queue
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accelerate config for --launcher local (default: Accelerate's own)")
     parser.add_argument("--sbatch", type=Path, default=Path("slurm/multinode_cpu.sbatch"),
                         help="the sbatch script each array task runs (--launcher slurm)")
+    parser.add_argument("--runs-per-device", type=int, default=1, metavar="N",
+                        help="--launcher local: N single-process runs at once on each device: each GPU "
+                             "(CUDA_VISIBLE_DEVICES), or on a CPU machine each of N groups of the cores (pinned, "
+                             "--threads set to the group's size)")
     parser.add_argument("--max-parallel", type=int, default=0, metavar="N",
                         help="--launcher slurm: at most N array tasks at once (0 = as SLURM schedules them)")
     parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
@@ -127,6 +134,15 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict]:
         raise UsageError(f"--out {out} is a file; give a directory for the sweep")
     if args.launcher == "local" and args.config_file is not None and not args.config_file.is_file():
         raise UsageError(f"--config-file {args.config_file} does not exist; give an accelerate config file")
+    if args.runs_per_device < 1:
+        raise UsageError(f"--runs-per-device {args.runs_per_device} is invalid; give 1 or more")
+    if args.runs_per_device > 1 and args.config_file is not None:
+        raise UsageError("--runs-per-device runs single-process runs side by side; leave --config-file out (a "
+                         "multi-process run takes the whole device)")
+    if args.runs_per_device > 1 and args.launcher != "local":
+        raise UsageError("--runs-per-device applies to --launcher local; under SLURM ask for the resources per task")
+    if args.runs_per_device > 1:
+        device_slots(args.runs_per_device)  # more runs than cores: refused here, before anything is made
     if args.max_parallel < 0:
         raise UsageError(f"--max-parallel {args.max_parallel} is invalid; give 0 (no limit) or a positive number")
     if args.launcher == "slurm" and not args.sbatch.is_file():
@@ -170,34 +186,78 @@ def launcher(config_file: Path | None) -> list[str]:
     return [sys.executable]
 
 
-def run_local(out: Path, manifest: dict, config_file: Path | None) -> int:
-    """Each unfinished run in turn through `accelerate launch`; a failed run is named and the others still run."""
+def device_slots(runs_per_device: int) -> list[dict]:
+    """Where side-by-side runs go: on a GPU machine, runs_per_device slots per GPU (CUDA_VISIBLE_DEVICES); else the
+    cores this process may use, cut into runs_per_device groups, each run pinned to its group with as many threads.
+    A slot: {"env": {...}, "cores": set or None, "threads": int or None, "name": str}."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [{"env": {"CUDA_VISIBLE_DEVICES": str(gpu)}, "cores": None, "threads": None, "name": f"GPU {gpu}"}
+                for gpu in range(torch.cuda.device_count()) for _ in range(runs_per_device)]
+    cores = sorted(os.sched_getaffinity(0))
+    if runs_per_device > len(cores):
+        raise UsageError(f"--runs-per-device {runs_per_device} is more than the {len(cores)} CPU cores here; give at "
+                         f"most {len(cores)}")
+    groups = [cores[i::runs_per_device] for i in range(runs_per_device)]
+    return [{"env": {"OMP_NUM_THREADS": str(len(group))}, "cores": set(group), "threads": len(group),
+             "name": f"cores {','.join(map(str, group))}"} for group in groups]
+
+
+def run_local(out: Path, manifest: dict, config_file: Path | None, runs_per_device: int = 1) -> int:
+    """The unfinished runs through `accelerate launch` (or plain python): one after another, or with
+    --runs-per-device N several at once, one per device slot; a failed run is named and the others still run."""
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     failed = []
     total = len(manifest["runs"])
+    slots = queue.Queue()
+    for slot in device_slots(runs_per_device) if runs_per_device > 1 else [None]:
+        slots.put(slot)
+    say = threading.Lock()
+
+    def one(index: int, run: dict) -> None:
+        slot = slots.get()
+        try:
+            own_threads = any(flag == "--threads" or flag.startswith("--threads=") for flag in manifest["common"])
+            threads = ["--threads", str(slot["threads"])] if slot and slot["threads"] and not own_threads else []
+            command = [*launcher(config_file), manifest["recipe"], *run["flags"], *manifest["common"], *threads,
+                       "--output-dir", run["output_dir"], "--resume-from", "auto"]
+            log = logs / f"{run['name']}.log"
+            where = f", {slot['name']}" if slot else ""
+            with say:
+                print(f"[{index}/{total}] {run['name']}: running (log {log}{where})", flush=True)
+            began = time.perf_counter()
+            with open(log, "a") as handle:
+                handle.write(f"$ {shlex.join(command)}\n")
+                handle.flush()
+                cores = slot["cores"] if slot else None
+                status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(slot["env"] if slot else {})},
+                                        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+                                        ).returncode
+            took = time.perf_counter() - began
+            with say:
+                if status == 0 and finished(run):
+                    print(f"[{index}/{total}] {run['name']}: done in {took:.0f} s", flush=True)
+                else:
+                    failed.append(run["name"])
+                    print(f"[{index}/{total}] {run['name']}: FAILED (exit {status}); see {log}", flush=True)
+        finally:
+            slots.put(slot)
+
+    pending = []
     for index, run in enumerate(manifest["runs"], 1):
         if finished(run):
             print(f"[{index}/{total}] {run['name']}: finished before, skipped", flush=True)
-            continue
-        command = [*launcher(config_file), manifest["recipe"], *run["flags"], *manifest["common"],
-                   "--output-dir", run["output_dir"], "--resume-from", "auto"]
-        log = logs / f"{run['name']}.log"
-        print(f"[{index}/{total}] {run['name']}: running (log {log})", flush=True)
-        began = time.perf_counter()
-        with open(log, "a") as handle:
-            handle.write(f"$ {shlex.join(command)}\n")
-            handle.flush()
-            status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
-        took = time.perf_counter() - began
-        if status == 0 and finished(run):
-            print(f"[{index}/{total}] {run['name']}: done in {took:.0f} s", flush=True)
         else:
-            failed.append(run["name"])
-            print(f"[{index}/{total}] {run['name']}: FAILED (exit {status}); see {log}", flush=True)
+            pending.append((index, run))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=slots.qsize()) as pool:
+        for future in [pool.submit(one, index, run) for index, run in pending]:
+            future.result()
     if failed:
-        print(f"{len(failed)} of {total} runs failed: {', '.join(failed)}; fix and run the same command again "
-              "(finished runs are skipped, the others resume)")
+        print(f"{len(failed)} of {total} runs failed: {', '.join(sorted(failed))}; fix and run the same command "
+              "again (finished runs are skipped, the others resume)")
         return 1
     print(f"all {total} runs finished; compare them with: python -m toolkit compare {out}")
     return 0
@@ -248,4 +308,4 @@ def main(args: argparse.Namespace) -> int:
           f"({' x '.join(f'{len(v)} {k}' for k, v in manifest['grid'].items())}) in {out}", flush=True)
     if args.launcher == "slurm":
         return run_slurm(out, manifest, args.sbatch, args.sbatch_option, args.max_parallel)
-    return run_local(out, manifest, args.config_file)
+    return run_local(out, manifest, args.config_file, args.runs_per_device)
