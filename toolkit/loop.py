@@ -10,18 +10,14 @@
         loop.end_epoch()                             # evaluates and checkpoints when due
     return loop.finish_at_best(run_test)             # best weights, test, summary.json, the run's end
 
-This module is the iteration and the order of things (README, "How resume works", says what exact resume needs of
-it); each part lives in its own module: progress (the counters a checkpoint keeps), cadence (when to evaluate and
-save), losses (the loss read on the host at a cadence), agreement (what the ranks decide together), guards
-(divergence), evaluation (evaluate, best, metrics rows), meter (timing, the bar), keeper (save, prune, best, load),
-summary (summary.json).
+This module is the iteration and the order of things (README, "How resume works"). The parts, each a module of its
+own: progress, cadence, losses (read at a cadence), agreement, guards, evaluation, meter, keeper, summary (the end).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -39,19 +35,17 @@ from toolkit.optim import step_optimizer
 from toolkit.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
-from toolkit.summary import finish_run
-from toolkit.tracking import format_table
+from toolkit.summary import RunEnd
 
 __all__ = ["AFTER_STEP_HOOKS", "Progress", "TrainingLoop", "TrainingStopped", "rest_of_epoch", "require_whole_epoch"]
 
 
-# Callables hook(loop) run after every optimizer step, once the loop has done its own work for it (logged, evaluated,
-# saved when due): for tools and tests that must act at an exact step (fault injection: stop or kill the process
-# right after step N is logged; profilers). Append to it before the loop runs; the recipes never use it.
+# hook(loop) after every optimizer step, once the loop has done its work for it: for tools and tests that act at an
+# exact step (fault injection, counters, profilers). Append before the loop runs; the recipes never use it.
 AFTER_STEP_HOOKS: list[Callable[[TrainingLoop], None]] = []
 
 
-class TrainingLoop:
+class TrainingLoop(RunEnd):
     def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
                  higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None,
                  batches_per_epoch: Callable[[int], int] | None = None):
@@ -146,8 +140,7 @@ class TrainingLoop:
         inside an accumulation window), zero the gradients, record the micro-batch's loss. Give `loss`, the mean over
         the GLOBAL batch (global_mean returns it), or `rank_loss`, this rank's mean over its equal share."""
         if (loss is None) == (rank_loss is None):
-            raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss= "
-                            "(this rank's mean, averaged over the processes here)")
+            raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss=")
         step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizer, scheduler)
         self.record_loss(loss if rank_loss is None else mean_over_processes(self.accelerator, rank_loss.detach()))
 
@@ -261,33 +254,6 @@ class TrainingLoop:
         self.progress.wall_time_sec += now - self._wall_mark
         self._wall_mark = now
         self.keeper.save(self.progress)
-
-    # ---- the end --------------------------------------------------------------------------------------------
-    def load_best(self) -> Path | None:
-        """Load the best-validation weights (if they are not the current ones); returns their checkpoint."""
-        self.meter.close_bar()
-        return self.keeper.load_best(self.progress.best_step, self.progress.global_step)
-
-    def test(self, run_test) -> dict:
-        """Run `run_test()` (model in eval mode, no_grad) and keep its metrics for summary.json."""
-        return self.evaluations.test(run_test, self.progress)
-
-    def finish_at_best(self, run_test, extra: dict | None = None) -> dict:
-        """The end of a recipe that tests its best-validation weights: load them, run `run_test()` (see test), write
-        the summary and end the run (finish), and print the test metrics as a table. Returns summary.json's dict."""
-        self.load_best()
-        metrics = self.test(run_test)
-        summary = self.finish(extra=extra)
-        self.run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", metrics))
-        return summary
-
-    def finish(self, extra: dict | None = None) -> dict:
-        """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
-        self.meter.close_bar()
-        now = time.perf_counter()  # wall time: every life's up to its last checkpoint, and this life's since then
-        return finish_run(self.run, self.progress, self.evaluations, self.keeper, extra=extra,
-                          wall_time_sec=self.progress.wall_time_sec + now - self._wall_mark,
-                          wall_time_this_life_sec=now - self._run_started)
 
     @property
     def total_steps(self) -> int:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from toolkit import checkpoint, extras
 from toolkit.progress import Progress
 from toolkit.rundir import SUMMARY_FILE
-from toolkit.tracking import plot_curves, write_json
+from toolkit.tracking import format_table, plot_curves, write_json
 
 
 def run_summary(run, progress: Progress, *, main_metric: str, higher_is_better: bool, test_metrics: dict,
@@ -63,3 +64,34 @@ def finish_run(run, progress: Progress, evaluations, keeper, *, extra: dict | No
         run.accelerator.log({f"best/{k}": v for k, v in test_metrics.items()}, step=progress.global_step)
     run.end()
     return summary
+
+
+class RunEnd:
+    """The end of a training run, a part of TrainingLoop (toolkit.loop): the best weights, the test, summary.json
+    and the run's end. It reads the loop's meter, keeper, progress, evaluations and wall-time marks."""
+
+    def load_best(self) -> Path | None:
+        """Load the best-validation weights (if they are not the current ones); returns their checkpoint."""
+        self.meter.close_bar()
+        return self.keeper.load_best(self.progress.best_step, self.progress.global_step)
+
+    def test(self, run_test) -> dict:
+        """Run `run_test()` (model in eval mode, no_grad) and keep its metrics for summary.json."""
+        return self.evaluations.test(run_test, self.progress)
+
+    def finish_at_best(self, run_test, extra: dict | None = None) -> dict:
+        """The end of a recipe that tests its best-validation weights: load them, run `run_test()` (see test), write
+        the summary and end the run (finish), and print the test metrics as a table. Returns summary.json's dict."""
+        self.load_best()
+        metrics = self.test(run_test)
+        summary = self.finish(extra=extra)
+        self.run.print(format_table(f"test metrics at the best validation step {summary['best_step']}", metrics))
+        return summary
+
+    def finish(self, extra: dict | None = None) -> dict:
+        """Write summary.json and curves.png, log the test metrics, end the trackers and the process group."""
+        self.meter.close_bar()
+        now = time.perf_counter()  # wall time: every life's up to its last checkpoint, and this life's since then
+        return finish_run(self.run, self.progress, self.evaluations, self.keeper, extra=extra,
+                          wall_time_sec=self.progress.wall_time_sec + now - self._wall_mark,
+                          wall_time_this_life_sec=now - self._run_started)
