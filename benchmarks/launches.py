@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warmup and --steps must be >= 1")
     ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where)
     syncs, kernels = report(ops, steps)
-    print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}")
+    from toolkit.precision import cpu_kind
+
+    print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}; "
+          f"CPU: {cpu_kind()}")
     print(f"syncs/step = {syncs:.3f}")
     print(f"kernels/step = {kernels:.1f}")
 

@@ -63,3 +63,12 @@ def test_a_bf16_run_on_a_cpu_without_bf16_says_what_it_costs_once(cpuinfo, warne
         assert float(lines[0].split(" takes ")[1].split("x as long")[0]) > 0
     else:
         assert lines == []
+
+
+def test_cpu_kind_names_the_model_and_the_flags_that_decide_speed():
+    from toolkit.precision import cpu_kind
+
+    cpuinfo = "model name\t: Some CPU 9000\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n"
+    kind = cpu_kind(cpuinfo)
+    assert kind.startswith("Some CPU 9000; AVX2, AVX-512F, AVX512_BF16, AMX; ") and kind.endswith(" threads")
+    assert "no AVX2/AVX-512/AMX" in cpu_kind("model name : Old\nflags : fpu sse\n")

@@ -33,6 +33,26 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return flags
 
 
+SPEED_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX-BF16",
+               "amx_tile": "AMX"}  # the flags that decide how fast torch's CPU kernels are
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """The CPU in one line for a benchmark's figures: model name, the speed-deciding flags it has, torch's threads."""
+    import torch
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path(os.environ.get("TOOLKIT_CPUINFO", "/proc/cpuinfo")).read_text()
+        except OSError:
+            cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    flags = cpu_flags(cpuinfo)
+    has = ", ".join(name for flag, name in SPEED_FLAGS.items() if flag in flags) or "no AVX2/AVX-512/AMX"
+    return f"{model}; {has}; {torch.get_num_threads()} threads"
+
+
 def has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(cpu_flags(cpuinfo) & NATIVE_BF16_FLAGS)
 
