@@ -63,6 +63,7 @@ from toolkit.data.ufs import (
     load_patterns,
     whole_batch,
 )
+from toolkit.device_data import device_batches
 from toolkit.early_stopping import EarlyStopping
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
@@ -292,10 +293,11 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     # Full global batches only (N processes and one process take identical steps), cut from a keyed permutation of
     # each epoch a whole batch at a time: at ~1 ms a step, a sampler yielding item by item would cost ~10%.
     batches = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
-    train_loader = DataLoader(train_set, batch_sampler=batches, num_workers=cfg.num_workers, collate_fn=whole_batch)
+    # On the device, cut there per rank (toolkit.device_data); a set too large for the GPU goes through a DataLoader.
+    train_loader = device_batches(run, train_set, batches, num_workers=cfg.num_workers, collate_fn=whole_batch)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)
+    model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     emulator = accelerator.unwrap_model(model)
     run.print(model_line(f"{cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}", emulator))
 

@@ -53,6 +53,8 @@ def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) 
 def rest_of_epoch(accelerator, loader, batches_done: int):
     """The micro-batches of the current epoch after the first `batches_done` (a resume mid-epoch): with the
     sampler's epoch set, they are exactly the ones an uninterrupted run takes next."""
+    if hasattr(loader, "skip_first"):  # toolkit.device_data.DeviceBatches
+        return loader.skip_first(batches_done)
     return accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
 
 
