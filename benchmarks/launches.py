@@ -6,9 +6,9 @@
 
 The recipe's own main() runs in this process (TrainingLoop, Accelerator, the recipe's step, everything it does per
 step) on generated data (SASRec: MovieLens-100K from --cache-dir), for --warmup + --steps optimizer steps. Over the
-last --steps (the steady state; evaluations, checkpoints, epoch ends, each with the read of the loss it needs first,
-and the loader's own work on the host, its sampler and collate, are left out) a TorchDispatchMode counts every aten
-op dispatched (the profiler's record_function marks apart):
+last --steps (the steady state) a TorchDispatchMode counts every aten op dispatched, the profiler's record_function
+marks apart. Left out: evaluations, checkpoints and epoch ends (each with the read of the loss it needs first), and a
+DataLoader's own work on the host (its sampler and collate); batches cut on the device (DeviceBatches) count.
 
 - an op that is not a view is one kernel launch on a GPU (a foreach or fused op: one, though CUDA may split it);
 - a sync is an op that needs a device value on the host: `_local_scalar_dense` (`.item()`, `bool(t)`, `float(t)`,
@@ -110,7 +110,7 @@ def load_recipe(recipe: str):
 
 def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None,
           where: str | None = None) -> tuple[dict, int]:
-    from toolkit import loop
+    from toolkit import device_data, loop
 
     counter = OpCounter(where)
     _count_host_copies(counter)
@@ -141,7 +141,13 @@ def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Pat
             return next(self.iterator)
 
     rest_of_epoch = loop.rest_of_epoch
-    loop.rest_of_epoch = lambda *args: PausedFetch(rest_of_epoch(*args))
+
+    def fetch(accelerator, loader, batches_done):  # batches cut on the device (DeviceBatches) are device work: counted
+        batches = rest_of_epoch(accelerator, loader, batches_done)
+        return batches if hasattr(loader, "skip_first") else PausedFetch(batches)
+
+    loop.rest_of_epoch = fetch
+    device_data.DeviceBatches.epoch_order = paused(device_data.DeviceBatches.epoch_order)  # the sampler, on the host
     loop.AFTER_STEP_HOOKS.append(window)
     for name in ("_validate", "save", "end_epoch"):  # each reads the unread losses first: its own cost
         setattr(loop.TrainingLoop, name, paused(getattr(loop.TrainingLoop, name)))

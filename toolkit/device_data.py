@@ -41,13 +41,18 @@ class DeviceBatches(DataLoaderStateMixin):
     def __iter__(self):
         return self.skip_first(0)
 
+    def epoch_order(self) -> torch.Tensor:
+        """This rank's row indices of the epoch's batches [batches, batch / world size], on the host (the sampler's
+        work): split_batches, rank r takes the r-th equal slice of each global batch."""
+        order = torch.as_tensor([list(batch) for batch in self.batch_sampler], dtype=torch.long)
+        share = order.shape[1] // self.world_size
+        return order[:, self.rank * share:(self.rank + 1) * share]
+
     def skip_first(self, skip: int):
         """This epoch's batches after the first `skip` (a resume mid-epoch)."""
         self.begin()
         try:
-            order = torch.as_tensor([list(batch) for batch in self.batch_sampler], dtype=torch.long)
-            share = order.shape[1] // self.world_size  # split_batches: rank r takes the r-th equal slice
-            mine = order[:, self.rank * share:(self.rank + 1) * share].to(self.device)  # one copy an epoch
+            mine = self.epoch_order().to(self.device)  # one copy an epoch
             for i in range(skip, len(mine)):
                 self.end_of_dataloader = i == len(mine) - 1  # before the yield: accumulate() reads it
                 index = mine[i]

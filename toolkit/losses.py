@@ -52,10 +52,10 @@ class StepLosses:
     def read(self, rider: torch.Tensor | None = None) -> tuple[list[StepLoss], list[float]]:
         """The closed steps' losses on the host, oldest first, and the values of `rider` (a recipe's own device
         values read at the same time, e.g. training sums to log), all in one device-to-host copy."""
-        tensors = [t.double() for _, _, micro in self._closed for t in micro]  # float32 -> float64 is exact
-        riding = [] if rider is None else [rider.detach().double().flatten()]
-        flat = torch.cat([torch.stack(tensors)] * bool(tensors) + riding) if tensors or riding else None
-        values = [] if flat is None else flat.tolist()
+        tensors = [t for _, _, micro in self._closed for t in micro]
+        parts = [torch.stack(tensors).double()] if tensors else []  # float32 -> float64 is exact
+        parts += [] if rider is None else [rider.detach().double().flatten()]
+        values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
         carried = values[len(tensors):]
         steps, at = [], 0
         for step, epoch, micro in self._closed:
