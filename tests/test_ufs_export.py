@@ -82,10 +82,11 @@ def domain_inputs(data: Path) -> tuple[np.ndarray, torch.Tensor]:
     return domain, torch.from_numpy(x)
 
 
-def per_input_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to each input's largest entry (Jacobian columns span their units: 1/K ... 1/(kg/kg))."""
+def per_input_error(a: torch.Tensor, b: torch.Tensor, over: torch.Tensor | None = None) -> float:
+    """max |a - b| relative to each input's largest entry in `over` (default b) (Jacobian columns span their units:
+    1/K ... 1/(kg/kg))."""
     a, b = a.detach(), b.detach()
-    scale = b.abs().amax(dim=(0, 1), keepdim=True)
+    scale = (b if over is None else over.detach()).abs().amax(dim=(0, 1), keepdim=True)
     return float(((a - b).abs() / scale).max())
 
 
@@ -116,9 +117,10 @@ def test_package_returns_predictions_and_jacobian_in_physical_units(trained_run,
     assert per_input_error(jacobian, model.jacobian(x)) < 1e-5
     assert predictions.std() > 1e-3 and jacobian[:, 0, 11].abs().max() > 10 * jacobian[:, 0, 0].abs().max()
     one_point, one_jacobian = program(x[:1])  # any number of points, one included
-    # float32 kernels for one row and for many take other vector paths: equal to float32 accuracy, as above
-    # (9.9e-6 seen once the emulator trained on another batch order; 1e-6 before)
-    assert one_point.shape == (1, 1) and per_input_error(one_jacobian, jacobian[:1]) < 1e-5
+    # float32 kernels for one row and for many take other vector paths: equal to float32 accuracy, as above, relative
+    # to each input's scale over the domain (one row's own entry of an input can be ~0: 2.7e-5 relative to it was seen
+    # once fused Adam trained the emulator)
+    assert one_point.shape == (1, 1) and per_input_error(one_jacobian, jacobian[:1], over=jacobian) < 1e-5
 
 
 def run_export(argv: list[str], capfd) -> tuple[int, str, str]:
