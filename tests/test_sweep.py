@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -288,7 +289,10 @@ def test_runs_per_device_runs_single_process_runs_side_by_side_each_pinned_to_it
     assert len(running) == 2 and len(finished) == 2 and max(running) < min(finished), lines
     groups = {line.split(", cores ")[1].rstrip(")") for line in lines if ": running" in line}
     assert groups == {",".join(map(str, cores[0::2])), ",".join(map(str, cores[1::2]))}
+    threads = set()
     for seed in (0, 1):
         log = (out / "logs" / f"seed-{seed}.log").read_text()
-        assert f"threads={len(cores) // 2}" in log and "--threads" in log.splitlines()[0]
+        assert "--threads" in log.splitlines()[0]
+        threads |= {int(n) for n in re.findall(r"threads=(\d+)", log)}
         assert verify_run(out / "runs" / f"seed-{seed}") == []
+    assert threads == {len(cores[0::2]), len(cores[1::2])}  # each run as many threads as its group has cores
