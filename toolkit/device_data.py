@@ -62,7 +62,8 @@ class DeviceBatches(DataLoaderStateMixin):
 
 
 def set_bytes(dataset: TensorRows) -> int:
-    return sum(field[: 1].element_size() * field[: 1].numel() * len(dataset.rows) for field in dataset.fields.values())
+    """The bytes DeviceBatches puts on the device: every field's rows, gathered."""
+    return sum(field[0].numel() * field.element_size() * len(dataset.rows) for field in dataset.fields.values())
 
 
 def device_batches(run, dataset: TensorRows, batch_sampler, **loader_args):

@@ -55,7 +55,7 @@ class StepLosses:
         tensors = [t for _, _, micro in self._closed for t in micro]
         parts = [torch.stack(tensors).double()] if tensors else []  # float32 -> float64 is exact
         parts += [] if rider is None else [rider.detach().double().flatten()]
-        values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
+        values = torch.cat(parts).tolist() if parts else []
         carried = values[len(tensors):]
         steps, at = [], 0
         for step, epoch, micro in self._closed:

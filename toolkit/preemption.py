@@ -65,14 +65,11 @@ def requeue_and_exit(run, step: int, max_requeues: int) -> None:
     requeue may end this process right after); every rank leaves the process group together and exits 0."""
     from tqdm.auto import tqdm
 
-    from toolkit import shutdown
-
     if run.is_main:
         def announce(what: str) -> None:
             tqdm.write(f"pre-empted at step {step}: checkpoint saved; {what}")
             sys.stdout.flush()
 
         requeue_job(max_requeues, announce)
-    run.ended = True
-    shutdown.end_process_group(run.accelerator)
+    run.end()
     raise SystemExit(0)

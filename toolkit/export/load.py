@@ -15,17 +15,15 @@ from safetensors.torch import load_file
 
 from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.rundir import MODEL_FILE, RunDir
+from toolkit.rundir import MODEL_FILE, RunDir, read_json
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise UsageError(
-            f"{path} is missing or unreadable ({what}; {type(error).__name__}); give a run directory "
-            "written by a recipe (runs/<recipe>/<run>)"
-        ) from None
+    data = read_json(path)
+    if data is None:
+        raise UsageError(f"{path} is missing or unreadable ({what}); give a run directory written by a recipe "
+                         "(runs/<recipe>/<run>)")
+    return data
 
 
 def best_checkpoint(run_dir: Path, step: int | None = None) -> Path:
