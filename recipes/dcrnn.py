@@ -49,6 +49,7 @@ from toolkit.data.traffic import (
     prepare_traffic,
     split_windows,
 )
+from toolkit.device_data import device_batches
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
@@ -59,6 +60,7 @@ from toolkit.models.dcrnn import DCRNN, sampling_probability
 from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import keyed_uniform
 from toolkit.run import Run, main_process_first, start_run
+from toolkit.sampler import shuffled_batches
 from toolkit.tracking import format_table
 
 TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
@@ -153,11 +155,14 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
     loader_args = dict(
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
     )
-    # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
-    train_loader = DataLoader(split.train, shuffle=True, drop_last=True, **loader_args)
+    require_batch_fits(cfg.batch_size, len(split.train), "training windows")
+    # Full global batches only (N processes and one process take identical steps), each epoch a keyed permutation;
+    # on the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    batches = shuffled_batches(len(split.train), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
+    train_loader = device_batches(run, split.train, batches, num_workers=cfg.num_workers,
+                                  pin_memory=pin_memory(accelerator.device))
     valid_loader = DataLoader(split.valid, shuffle=False, **loader_args)
     test_loader = DataLoader(split.test, shuffle=False, **loader_args)
-    require_batch_fits(cfg.batch_size, len(split.train), "training windows")
     run.print(
         f"data: {meta['num_sensors']} sensors, {meta['num_timesteps']} timesteps every {minutes:g} min "
         f"({meta['missing_fraction']:.1%} missing); windows train/val/test {len(split.train)}/"
@@ -180,8 +185,8 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)  # as the loop counts them
     milestones = [epoch * steps_per_epoch for epoch in cfg.lr_decay_epochs]
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.lr_decay)
-    model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, valid_loader, test_loader
+    model, optimizer, scheduler, valid_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, valid_loader, test_loader
     )
     scaler = split.scaler
     run.print(model_line(f"DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}", model))

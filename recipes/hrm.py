@@ -50,7 +50,8 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.prepared import require_batch_fits, require_path
-from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split
+from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split, stored_columns
+from toolkit.device_data import device_batches
 from toolkit.devices import pin_memory
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
@@ -200,6 +201,24 @@ class OneAugmentationPerPuzzle(torch.utils.data.Dataset):
     def __getitem__(self, drawn: tuple[int, int]) -> dict:
         return self.__getitems__([drawn])[0]
 
+    # toolkit.device_data: every stored version on the device, the augmentation picked there
+    def device_bytes(self) -> int:
+        one_row = stored_columns(self.rows.select(range(1)))
+        return len(self.rows) * sum(column.numel() * column.element_size() for column in one_row.values())
+
+    def on_device(self, device: torch.device):
+        """Every row of the table on `device` in its stored dtypes (int8 cells); cut(drawn) = the collated batch for
+        [B, 2] (epoch, puzzle) pairs, as the DataLoader gives it (int64, the torch format's)."""
+        columns = {name: column.to(device) for name, column in stored_columns(self.rows).items()}
+
+        def cut(drawn: torch.Tensor) -> dict:
+            epochs, puzzles = drawn.unbind(1)
+            pick = keyed_hash(self.seed, AUGMENTATION_PICK, epochs, puzzles) % self.copies
+            rows = puzzles * self.copies + pick
+            return {name: column[rows].long() for name, column in columns.items()}
+
+        return cut
+
 
 def as_tokens(batch: dict) -> dict:
     """The model's view of a batch of stored puzzles: tokens 1 = blank, 2..10 = digits."""
@@ -295,8 +314,9 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     train_batches = CrossEpochBatchSampler(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs,
                                            epochs_per_cycle=None if cfg.eval_every_steps else cfg.eval_every,
                                            with_epoch=True)
-    train_loader = DataLoader(train_set, batch_sampler=train_batches, num_workers=cfg.num_workers,
-                              pin_memory=pin_memory(accelerator.device))
+    # On the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    train_loader = device_batches(run, train_set, train_batches, num_workers=cfg.num_workers,
+                                  pin_memory=pin_memory(accelerator.device))
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     test_loader = DataLoader(test_set, shuffle=False, **loader_args)
     run.print(f"data: {meta['puzzles']} puzzles, {meta['aug']} augmentations each for training ({meta['source']})")
@@ -312,8 +332,8 @@ def train(run: Run, cfg: HRMConfig) -> dict:
         return min(1.0, (steps_done + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, valid_loader, test_loader
+    model, optimizer, scheduler, valid_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, valid_loader, test_loader
     )
     core = accelerator.unwrap_model(model)
     puzzle_optimizer = SparseSignSGD(core.puzzle_emb, cfg.puzzle_emb_lr, cfg.puzzle_emb_weight_decay,

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, prepare_movielens
 from toolkit.data.prepared import require_batch_fits, require_path
+from toolkit.device_data import device_batches
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
@@ -53,6 +54,7 @@ from toolkit.models.sasrec import SASRec
 from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import UntouchedItems, sample_negatives
 from toolkit.run import Run, main_process_first, start_run
+from toolkit.sampler import shuffled_batches
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
 
@@ -196,11 +198,14 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     loader_args = dict(
         batch_size=cfg.batch_size, num_workers=cfg.num_workers, pin_memory=pin_memory(accelerator.device)
     )
-    # drop_last: every step sees a full global batch, so N processes and one process take identical steps.
-    train_loader = DataLoader(train_set, shuffle=True, drop_last=True, **loader_args)
+    require_batch_fits(cfg.batch_size, len(train_set), "training users")
+    # Full global batches only (N processes and one process take identical steps), each epoch a keyed permutation;
+    # on the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    batches = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
+    train_loader = device_batches(run, train_set, batches, num_workers=cfg.num_workers,
+                                  pin_memory=pin_memory(accelerator.device))
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     test_loader = DataLoader(test_set, shuffle=False, **loader_args)
-    require_batch_fits(cfg.batch_size, len(train_set), "training users")
     run.print(f"data: {meta['num_users']} users, {meta['num_items']} items, {meta['num_interactions']} interactions "
               f"({meta['source']})")
 
@@ -214,8 +219,8 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (cfg.warmup_steps + 1)))
-    model, optimizer, scheduler, train_loader, valid_loader, test_loader = accelerator.prepare(
-        model, optimizer, scheduler, train_loader, valid_loader, test_loader
+    model, optimizer, scheduler, valid_loader, test_loader = accelerator.prepare(
+        model, optimizer, scheduler, valid_loader, test_loader
     )
     scorer = accelerator.unwrap_model(model)  # score_items / score_all share the (wrapped) model's weights
     run.print(model_line(f"{cfg.variant} ({cfg.norm}-LN)", scorer))

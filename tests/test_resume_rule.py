@@ -45,6 +45,7 @@ RESUME_CHANGES = {
     "resume_from": lambda run, scratch: ["--resume-from", str(run / "checkpoints" / f"step_{HALF}")],
     "run_name": lambda run, scratch: ["--run-name", "renamed"],
     "cache_dir": lambda run, scratch: ["--cache-dir", str(scratch / "cache-copy")],
+    "data_on_device": lambda run, scratch: ["--no-data-on-device"],  # the DataLoader path: the same batches
 }
 
 

@@ -33,7 +33,7 @@ PICTURE = "compare.png"
 NOT_A_SETTING = {
     "seed", "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
     "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
-    "cache_dir",
+    "cache_dir", "data_on_device",
 }
 
 

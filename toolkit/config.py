@@ -75,7 +75,11 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] | None = None
     """Overrides the accelerate config. bf16 works on CPU and GPU; fp16 needs a GPU."""
     num_workers: int = 0
-    """DataLoader worker processes per process."""
+    """DataLoader worker processes per process (the evaluation loaders; the training set's too with
+    --no-data-on-device)."""
+    data_on_device: bool = True
+    """Keep the training set on the device and cut each batch there (toolkit.device_data): no workers, no copy per
+    step, the same batches. Off, or when the set does not fit in half the device's free memory: a DataLoader."""
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = the launcher's choice (OMP_NUM_THREADS,
     or Accelerate's physical cores / local processes). One process with many threads is seed 000's CPU-node mode."""

@@ -307,7 +307,7 @@ def _shared(state: PartialState, make):
 RESUMABLE_CHANGES = {
     "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
     "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
-    "cache_dir",
+    "cache_dir", "data_on_device",
 }
 
 

@@ -44,3 +44,15 @@ class TensorRows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.rows[index]
         return {self.index_name: row, **{name: value[row] for name, value in self.fields.items()}}
+
+    # toolkit.device_data: batches cut on the device
+    def device_bytes(self) -> int:
+        """Every field's rows, gathered."""
+        return sum(field[0].numel() * field.element_size() * len(self.rows) for field in self.fields.values())
+
+    def on_device(self, device: torch.device):
+        """Every field's rows gathered on `device` once; the returned cut(positions) is the collated batch of
+        items at those positions (a 1-D index tensor on the device)."""
+        columns = {self.index_name: self.rows.to(device),
+                   **{name: field[self.rows].to(device) for name, field in self.fields.items()}}
+        return lambda positions: {name: column[positions] for name, column in columns.items()}

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
 
 from toolkit.data.cache import DATASET_DIR, META_FILE, cached_dataset, file_fingerprint, save_atomically, writable
 from toolkit.data.prepared import Prepared, require_path
@@ -544,6 +545,24 @@ def split(ds: datasets.Dataset, meta: dict, name: str) -> datasets.Dataset:
     """One split as a torch-formatted view of the memory-mapped table (a contiguous slice: no copy)."""
     start, stop = meta["splits"][name]
     return ds.select(range(start, stop)).with_format("torch")
+
+
+def stored_columns(ds: datasets.Dataset) -> dict:
+    """Every column of `ds` as one tensor in its stored dtype (int8 cells stay int8: 8x less than the torch
+    format's int64), read from the Arrow table at once. For a split (a contiguous slice, no indices mapping)."""
+    import torch  # here: the command line (build, inspect) does not need it
+
+    if ds._indices is not None:
+        raise ValueError("stored_columns reads a contiguous table; this dataset has an indices mapping")
+    columns = {}
+    for name in ds.column_names:
+        column = ds.data.column(name).combine_chunks()
+        if pa.types.is_fixed_size_list(column.type):  # a grid: [rows, cells]
+            values = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), column.type.list_size)
+        else:
+            values = column.to_numpy(zero_copy_only=False)
+        columns[name] = torch.from_numpy(np.array(values))  # a writable copy, off the memory map
+    return columns
 
 
 # ----------------------------------------------------------------------------------------------------

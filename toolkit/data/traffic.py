@@ -251,6 +251,22 @@ class TrafficWindows(torch.utils.data.Dataset):
             "y": self.speed[middle : middle + OUTPUT_STEPS],
         }
 
+    # toolkit.device_data: windows cut on the device from the whole table, moved there once
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.inputs, self.speed, self.starts))
+
+    def on_device(self, device: torch.device):
+        """The table on `device`; cut(positions) = the collated windows at those positions (1-D, on the device)."""
+        inputs, speed, starts = self.inputs.to(device), self.speed.to(device), self.starts.to(device)
+        steps_in = torch.arange(INPUT_STEPS, device=device)
+        steps_out = torch.arange(INPUT_STEPS, INPUT_STEPS + OUTPUT_STEPS, device=device)
+
+        def cut(positions: torch.Tensor) -> dict[str, torch.Tensor]:
+            start = starts[positions]
+            return {"window": start, "x": inputs[start[:, None] + steps_in], "y": speed[start[:, None] + steps_out]}
+
+        return cut
+
 
 @dataclass
 class Scaler:
