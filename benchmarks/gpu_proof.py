@@ -7,14 +7,15 @@ The checks, in order; each is recorded (PASS, FAIL or SKIP with the reason) and 
 it. The report is rewritten after every check, so a run cut short still leaves what it measured.
 
 1. doctor: `python -m toolkit doctor` on this machine.
-2. precision: every recipe, a short run with accelerate_configs/1gpu.yaml (cpu.yaml with --cpu) in fp32, bf16, fp16
-   and bf16 + --compile, each followed by `toolkit verify`; fp16's checkpoint must hold the grad scaler's state.
+2. precision: every recipe, a short run with accelerate_configs/1gpu.yaml (cpu.yaml with --cpu) in fp32, bf16, fp16,
+   bf16 + --compile and bf16 + --cuda-graphs (refused on CPU), each followed by `toolkit verify`; fp16's checkpoint
+   must hold the grad scaler's state.
 3. throughput: the steady-state samples/s of those runs (their last metrics.csv row: the first holds the warm-up and
    the compilation), side by side per recipe.
-4. resume: SASRec and HRM with --deterministic, in fp32 and bf16: stopped half-way and resumed, against the
-   uninterrupted run: model weights compared byte for byte, and every logged loss.
-5. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16) on its generated hard puzzles: loss falling,
-   step time, peak memory.
+4. resume: SASRec and HRM with --deterministic, in fp32, bf16 and bf16 + --cuda-graphs: stopped half-way and
+   resumed, against the uninterrupted run: model weights compared byte for byte, and every logged loss.
+5. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16 + --compile) on its generated hard puzzles:
+   loss falling, step time, peak memory.
 6. dcrnn-metr-la: the first epoch of `--preset metr-la` on a generated 207-sensor network: step time, peak memory.
 7. cpu-scaling: the machine's CPU for the seeds' claims, UFS MLP and DCRNN: 1, 2, 4, 8 gloo processes of 1 thread
    (the same global batch), and 1 process x 1, 4, 16 threads.
@@ -46,7 +47,9 @@ PRECISIONS = {
     "bf16": ["--mixed-precision", "bf16"],
     "fp16": ["--mixed-precision", "fp16"],
     "bf16+compile": ["--mixed-precision", "bf16", "--compile"],
+    "bf16+cuda-graphs": ["--mixed-precision", "bf16", "--cuda-graphs"],  # the CUDA-only one: refused on CPU
 }
+ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
 SECTIONS = ("doctor", "precision", "throughput", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
 
 
@@ -60,13 +63,14 @@ class Profile:
     recipe_flags: dict[str, list[str]]
     hrm_steps: int
     hrm_flags: list[str]
+    hrm_compile: list[str]  # sudoku-1k in bf16 + compile on a GPU (the issue's run); uncompiled on 2 CPU cores
     metr_la_network: tuple[int, int]  # (sensors, days) of the generated network
     metr_la_flags: list[str]
     scaling_steps: int
     processes: list[int]
     threads: list[int]
     compile_recipes: tuple[str, ...] = RECIPES  # with --cpu: a cold compile takes minutes per recipe on 2 cores
-    resume_precisions: tuple[str, ...] = ("fp32", "bf16")
+    resume_precisions: tuple[str, ...] = ("fp32", "bf16", "bf16+cuda-graphs")
     resume_recipes: tuple[str, ...] = ("sasrec", "hrm")
     run_timeout: float = 600.0
 
@@ -84,6 +88,7 @@ def gpu_profile(data: dict[str, Path], cache: Path) -> Profile:
         },
         hrm_steps=2000,
         hrm_flags=["--cache-dir", str(cache)],
+        hrm_compile=["--compile"],
         metr_la_network=(207, 119),
         metr_la_flags=["--cache-dir", str(cache)],
         scaling_steps=40,
@@ -109,6 +114,7 @@ def cpu_profile(data: dict[str, Path], cache: Path) -> Profile:
         },
         hrm_steps=12,
         hrm_flags=["--cache-dir", str(cache), *tiny_hrm],
+        hrm_compile=[],
         metr_la_network=(12, 3),
         metr_la_flags=["--cache-dir", str(cache), "--units", "8", "--batch-size", "32", "--threads", "1"],
         scaling_steps=3,
@@ -297,15 +303,20 @@ def check_precision(proof: Proof, recipe: str, precision: str, check: Check, run
         return
     flags = [*proof.profile.recipe_flags[recipe], *PRECISIONS[precision], "--max-steps", str(2 * steps),
              "--eval-every-steps", str(steps), "--log-with", "csv"]
-    if precision == "fp16" and proof.profile.name == "cpu" and recipe != RECIPES[0]:
-        check.status, check.detail = "SKIP", f"fp16 needs a GPU (its refusal on the CPU is checked on {RECIPES[0]})"
+    on_cpu = proof.profile.name == "cpu"
+    if precision in ON_GPU_ONLY and on_cpu and recipe != RECIPES[0]:
+        check.status = "SKIP"
+        check.detail = f"{precision} needs a GPU (its refusal on the CPU is checked on {RECIPES[0]})"
         return
     run_dir, result = proof.launch(recipe, flags, f"{recipe}-{precision}")
-    if precision == "fp16" and proof.profile.name == "cpu":  # Accelerate would train in fp32: the toolkit refuses
-        if result.returncode != 0 and "--mixed-precision fp16" in result.stderr and "needs a GPU" in result.stderr:
-            check.status, check.detail = "SKIP", "fp16 needs a GPU: refused on the CPU with one line, as designed"
+    if precision in ON_GPU_ONLY and on_cpu:  # fp16: Accelerate would train in fp32; CUDA graphs: no CUDA. Refused
+        flag = ON_GPU_ONLY[precision]
+        if result.returncode != 0 and flag in result.stderr and ("needs a GPU" in result.stderr
+                                                                  or "needs a CUDA device" in result.stderr):
+            check.status = "SKIP"
+            check.detail = f"{precision} needs a GPU: refused on the CPU with one line, as designed"
             return
-        raise Failed("fp16 on the CPU was not refused with its one-line error", result.stderr[-3000:])
+        raise Failed(f"{precision} on the CPU was not refused with its one-line error", result.stderr[-3000:])
     require_success(result, f"{recipe} {precision}")
     details = [verify(run_dir)]
     rows = metrics_rows(run_dir)
@@ -328,8 +339,9 @@ def check_precision(proof: Proof, recipe: str, precision: str, check: Check, run
 def throughput_table(proof: Proof, runs: dict, recipes=RECIPES) -> None:
     lines = ["Steady-state training samples/s (the last metrics.csv row of each precision run: "
              f"{proof.profile.steps} steps after as many warm-up steps), and peak memory (MB).", "",
-             "| recipe | fp32 | bf16 | fp16 | bf16+compile | bf16 / fp32 | bf16+compile / bf16 | peak MB fp32 / bf16 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"| recipe | {' | '.join(PRECISIONS)} | bf16 / fp32 | bf16+compile / bf16 | bf16+cuda-graphs / bf16 | "
+             "peak MB fp32 / bf16 |",
+             f"| --- |{' ---: |' * (len(PRECISIONS) + 4)}"]
 
     def rate(recipe, precision):
         return (runs.get((recipe, precision)) or {}).get("rate")
@@ -341,13 +353,15 @@ def throughput_table(proof: Proof, runs: dict, recipes=RECIPES) -> None:
         cells = [f"{rate(recipe, p):,.0f}" if rate(recipe, p) else "-" for p in PRECISIONS]
         mem = [f"{(runs.get((recipe, p)) or {}).get('memory') or 0:,.0f}" for p in ("fp32", "bf16")]
         lines.append(f"| {recipe} | {' | '.join(cells)} | {ratio(rate(recipe, 'bf16'), rate(recipe, 'fp32'))} | "
-                     f"{ratio(rate(recipe, 'bf16+compile'), rate(recipe, 'bf16'))} | {' / '.join(mem)} |")
+                     f"{ratio(rate(recipe, 'bf16+compile'), rate(recipe, 'bf16'))} | "
+                     f"{ratio(rate(recipe, 'bf16+cuda-graphs'), rate(recipe, 'bf16'))} | {' / '.join(mem)} |")
     proof.tables["throughput"] = lines
 
 
 def check_throughput(proof: Proof, runs: dict, check: Check, recipes=RECIPES, precisions=tuple(PRECISIONS)) -> None:
     throughput_table(proof, runs, recipes)
-    wanted = [(r, p) for r in recipes for p in ("fp32", "bf16", "bf16+compile")
+    measured = ("fp32", "bf16", "bf16+compile") + (("bf16+cuda-graphs",) if proof.profile.name == "gpu" else ())
+    wanted = [(r, p) for r in recipes for p in measured
               if p in precisions and (p != "bf16+compile" or r in proof.profile.compile_recipes)]
     missing = [f"{r} {p}" for r, p in wanted if not (runs.get((r, p)) or {}).get("rate")]
     if missing:
@@ -388,7 +402,8 @@ def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> Non
 def check_hrm_sudoku(proof: Proof, check: Check) -> None:
     steps = proof.profile.hrm_steps
     every = max(1, steps // 4)
-    flags = ["--preset", "sudoku-1k", *proof.profile.hrm_flags, "--mixed-precision", "bf16", "--max-steps",
+    flags = ["--preset", "sudoku-1k", *proof.profile.hrm_flags, "--mixed-precision", "bf16", *proof.profile.hrm_compile,
+             "--max-steps",
              str(steps), "--eval-every-steps", str(every), "--log-with", "csv", "--log-every", str(max(1, steps // 40))]
     run_dir, result = proof.launch("hrm", flags, "hrm-sudoku-1k")
     require_success(result, "hrm --preset sudoku-1k")

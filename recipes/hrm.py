@@ -396,7 +396,8 @@ def train(run: Run, cfg: HRMConfig) -> dict:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 puzzle_optimizer.zero_grad()
-            carry.state = outputs["carry"]
+            # --cuda-graphs: the graph's next replay (or an evaluation's) overwrites its outputs; the carry keeps a copy
+            carry.state = {k: v.clone() for k, v in outputs["carry"].items()} if cfg.cuda_graphs else outputs["carry"]
             totals = torch.stack([loss.detach().double(), *sums.values()])
             totals = accelerator.reduce(totals, reduction="sum")  # every rank's rows: a collective, no host read
             train_sums.add(list(sums), totals[1:])

@@ -159,6 +159,24 @@ MUTATIONS = [
              "which is not installed: pip install '{PACKAGE}[{extra}]'", "which is not installed",
              ("tests/test_extras.py",),
              "a missing extra does not say what to install"),
+    # ---- issue 23: data on the device, CUDA graphs -----------------------------------------------------------
+    Mutation("traffic-window-cut-one-step-late", "toolkit/data/traffic.py",
+             "steps_out = torch.arange(INPUT_STEPS, INPUT_STEPS + OUTPUT_STEPS, device=device)",
+             "steps_out = torch.arange(INPUT_STEPS + 1, INPUT_STEPS + OUTPUT_STEPS + 1, device=device)",
+             ("tests/test_device_data.py",),
+             "the traffic targets cut on the device are shifted by one timestep"),
+    Mutation("hrm-augmentation-picked-apart-on-device", "recipes/hrm.py",
+             "            rows = puzzles * self.copies + pick\n", "            rows = puzzles * self.copies\n",
+             ("tests/test_device_data.py",),
+             "the device path always takes a puzzle's first version, not the keyed augmentation"),
+    Mutation("device-batches-rank-slice-ignored", "toolkit/device_data.py",
+             "return order[:, self.rank * share:(self.rank + 1) * share]", "return order[:, :share]",
+             ("tests/test_device_data.py",),
+             "every rank cuts the first slice of the global batch"),
+    Mutation("cuda-graph-losses-aliased", "toolkit/losses.py",
+             "self._micro.append(loss.clone() if self.copy else loss)", "self._micro.append(loss)",
+             ("tests/test_cuda_graphs.py",),
+             "a recorded loss is the graph's output, overwritten by its next replay"),
 ]
 
 

@@ -93,6 +93,7 @@ BAD_INPUTS = [
     ("max-grad-norm-negative", ["--max-grad-norm", "-1"], ["--max-grad-norm", "-1"]),
     ("max-requeues-negative", ["--max-requeues", "-1"], ["--max-requeues", "-1"]),
     ("fp16-on-cpu", ["--mixed-precision", "fp16"], ["--mixed-precision fp16", "bf16"]),
+    ("cuda-graphs-on-cpu", ["--cuda-graphs"], ["--cuda-graphs", "CUDA", "cpu"]),
     ("max-loss-ratio-one", ["--max-loss-ratio", "1"], ["--max-loss-ratio 1.0", "> 1"]),
     ("optimizer", ["--optimizer", "lamb"], ["lamb", "--optimizer"]),
     ("preset", ["--preset", "ml-25m"], ["--preset ml-25m", "unknown"]),

@@ -37,18 +37,20 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
     recipes = ["sasrec", "ufs_emulator", "dcrnn", "hrm"]
     expected = {("doctor", "python -m toolkit doctor"), ("throughput", "fp32 / bf16 / bf16+compile"),
                 ("hrm-sudoku-1k", "first 12 steps"), ("dcrnn-metr-la", "first epoch"),
-                *{("precision", f"{r} {p}") for r in recipes for p in ("fp32", "bf16", "fp16", "bf16+compile")},
+                *{("precision", f"{r} {p}") for r in recipes for p in ("fp32", "bf16", "fp16", "bf16+compile",
+                                                                     "bf16+cuda-graphs")},
                 ("resume", "sasrec fp32 --deterministic"),
                 *{("cpu-scaling", r) for r in ("ufs_emulator", "dcrnn")}}
     assert set(rows) == expected
     passed = {key for key, (status, _) in rows.items() if status == "PASS"}
     skipped = {key for key, (status, _) in rows.items() if status == "SKIP"}
     # fp16 needs a GPU (refused here, checked); compiling every recipe takes too long on 2 cores: the UFS MLP's is run
-    assert skipped == {("precision", f"{r} fp16") for r in recipes} | {
+    assert skipped == {("precision", f"{r} {p}") for r in recipes for p in ("fp16", "bf16+cuda-graphs")} | {
         ("precision", f"{r} bf16+compile") for r in ("sasrec", "dcrnn", "hrm")}
     assert passed == expected - skipped
-    assert "refused on the CPU with one line" in rows[("precision", "sasrec fp16")][1]
-    assert all("checked on sasrec" in rows[("precision", f"{r} fp16")][1] for r in recipes[1:])
+    for gpu_only in ("fp16", "bf16+cuda-graphs"):  # refused on the first recipe (checked), skipped on the others
+        assert "refused on the CPU with one line" in rows[("precision", f"sasrec {gpu_only}")][1]
+        assert all("checked on sasrec" in rows[("precision", f"{r} {gpu_only}")][1] for r in recipes[1:])
     for recipe in recipes:
         assert re.search(r"verify OK; [\d,]+ samples/s", rows[("precision", f"{recipe} bf16")][1])
     assert "byte-identical" in rows[("resume", "sasrec fp32 --deterministic")][1]
@@ -58,8 +60,9 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
     for recipe in ("ufs_emulator", "dcrnn"):
         for label in ("1 x 1", "2 x 1", "1 x 2"):
             assert re.search(rf"^\| {recipe} \| {label} \| [\d,]+ \| [\d.]+x \|", report, re.MULTILINE), (recipe, label)
-    throughput = re.search(r"^\| ufs_emulator \| ([\d,]+) \| ([\d,]+) \| - \| ([\d,]+) \|", report, re.MULTILINE)
-    assert throughput, report  # fp32, bf16, (no fp16), bf16+compile figures
+    throughput = re.search(r"^\| ufs_emulator \| ([\d,]+) \| ([\d,]+) \| - \| ([\d,]+) \| - \|", report,
+                           re.MULTILINE)
+    assert throughput, report  # fp32, bf16, (no fp16), bf16+compile, (no CUDA graphs) figures
 
 
 def test_without_cuda_it_asks_for_the_cpu_profile_in_one_line(tmp_path):

@@ -63,7 +63,8 @@ def use_run_cache(run_dir: Path) -> Path:
 def _counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
-    return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
+    return {**{k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")},
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def describe_first_step(seconds: float, where: Path | str) -> str:
@@ -83,10 +84,24 @@ def describe_first_step(seconds: float, where: Path | str) -> str:
     return f"{took} (compiling {miss + bypass} graph(s); cache: {state}, {where}{not_cached}); later lives reuse it"
 
 
+def describe_capture() -> str | None:
+    """--cuda-graphs, after the first step: one line when inductor left graphs uncaptured (its counter since the run
+    started), None when every graph was captured. Why each was not, inductor says under TORCH_LOGS=cudagraphs (a CPU
+    op in the graph, an input mutated in place, dynamic shapes, ...); those graphs run compiled, uncaptured."""
+    from torch._dynamo.utils import counters
+
+    skipped = counters["inductor"]["cudagraph_skips"] - _baseline.get("cudagraph_skips", 0)
+    if not skipped:
+        return None
+    return (f"--cuda-graphs: {skipped} compiled graph(s) could not be captured and run uncaptured (the reasons: run "
+            "with TORCH_LOGS=cudagraphs)")
+
+
 def first_step_reporter(run):
-    """For --compile: a callable the training loop gives the first optimizer step's compute seconds; it prints the
-    line (main process) and returns None, so the loop calls it once per life. None without --compile."""
-    if not run.config.compile:
+    """For --compile and --cuda-graphs: a callable the training loop gives the first optimizer step's compute
+    seconds; it prints the line(s) (main process) and returns None, so the loop calls it once per life. None
+    without either flag."""
+    if not (run.config.compile or run.config.cuda_graphs):
         return None
 
     def report(seconds: float) -> None:
@@ -96,9 +111,18 @@ def first_step_reporter(run):
             where = os.environ.get(_ENV) or "?"  # set by Run.begin, after the loop was made
             shown = run.output_dir / CACHE_DIR if os.path.realpath(where) == _chosen else where  # the path as given
             tqdm.write(describe_first_step(seconds, shown))  # between progress-bar redraws
+            if run.config.cuda_graphs and (uncaptured := describe_capture()):
+                tqdm.write(uncaptured)
             sys.stdout.flush()
 
     return report
+
+
+def step_marker(run):
+    """--cuda-graphs: torch.compiler.cudagraph_mark_step_begin, for the loop to call before each micro-batch (a new
+    iteration: the graphs' outputs of the previous one may be overwritten; the loop's losses are copies). None
+    without the flag."""
+    return torch.compiler.cudagraph_mark_step_begin if run.config.cuda_graphs else None
 
 
 class CompilingAccelerator(Accelerator):
@@ -111,13 +135,17 @@ class CompilingAccelerator(Accelerator):
     ones, and the state_dict keeps its names (no `_orig_mod.` prefix): a compiled run's weights files read as an
     uncompiled run's do (load_best, toolkit.export)."""
 
+    def __init__(self, *args, compile_mode: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compile_mode = compile_mode  # "reduce-overhead": --cuda-graphs
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
-        compile_in_place(model)
+        compile_in_place(model, mode=self.compile_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
 
-def compile_in_place(model: torch.nn.Module) -> None:
+def compile_in_place(model: torch.nn.Module, mode: str | None = None) -> None:
     """nn.Module.compile() with the call traced from a frame of ours: Module.compile compiles `_call_impl` itself,
     whose file dynamo skips, so a model whose forward is also torch's (an nn.Sequential) compiled nothing on torch
     2.13; traced from here, `_call_impl` and every forward under it are inlined into one graph (as
@@ -128,4 +156,4 @@ def compile_in_place(model: torch.nn.Module) -> None:
     def call(*args, **kwargs):
         return model._call_impl(*args, **kwargs)
 
-    model._compiled_call_impl = torch.compile(call, backend="inductor")
+    model._compiled_call_impl = torch.compile(call, backend="inductor", mode=mode)

@@ -85,6 +85,10 @@ class TrainConfig:
     or Accelerate's physical cores / local processes). One process with many threads is seed 000's CPU-node mode."""
     compile: bool = False
     """torch.compile the model (inductor)."""
+    cuda_graphs: bool = False
+    """On CUDA: compile the model (as --compile) with its forward and backward captured as CUDA graphs and replayed
+    (torch.compile mode="reduce-overhead"): one launch where a step launched hundreds of kernels. A graph that cannot
+    be captured runs uncaptured, said in one line after the first step. Refused on CPU."""
     dist_timeout: float = 600.0
     """Seconds a collective may wait for a lost or stuck rank before the run fails."""
     max_requeues: int = 3

@@ -89,7 +89,8 @@ def free_memory(device: torch.device) -> int:
 
 def device_batches(run, dataset: CutOnDevice, batch_sampler, **loader_args):
     """DeviceBatches on the run's device when the set fits in half its free memory, else the DataLoader path,
-    prepared, with one line saying why (or without one: --no-data-on-device). Either way, do not pass it to accelerator.prepare()."""
+    prepared, with one line saying why (or without one: --no-data-on-device). Either way, do not pass it to
+    accelerator.prepare()."""
     accelerator = run.accelerator
     device = accelerator.device
     if not run.config.data_on_device:

@@ -60,13 +60,14 @@ class TrainingLoop(RunEnd):
         self.stopped = False  # --max-steps reached or a stop requested: the epoch loop ends
         self._stop_request: str | None = None
         self._save_due = False  # an epoch end asked for a checkpoint (written after the epoch's body)
-        self.losses = StepLosses(read_every=run.config.log_every)  # read on the host at a cadence (losses.py)
+        self.losses = StepLosses(read_every=run.config.log_every, copy=run.config.cuda_graphs)  # read at a cadence
         self._rider = None
         self.keeper = CheckpointKeeper(run, model, dict(state or {}), self.rank_state)
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main, say=run.print if run.is_main else None)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
+        self._mark_step = compilation.step_marker(run)  # --cuda-graphs: each micro-batch a new iteration of the graphs
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
             run.print(plain_dropout)
 
@@ -121,6 +122,8 @@ class TrainingLoop(RunEnd):
             key = progress.epoch * 1_000_003 + progress.batches_done
             reseed_global_rng(step_seed(cfg.seed, key, accelerator.process_index))
             randomness.begin_micro_batch(cfg.seed, key, accelerator.process_index, accelerator.num_processes)
+            if self._mark_step is not None:
+                self._mark_step()
             yield batch
             progress.batches_done += 1
             progress.samples_seen += cfg.batch_size

@@ -28,13 +28,15 @@ class StepLoss:
 
 
 class StepLosses:
-    def __init__(self, read_every: int):
+    def __init__(self, read_every: int, copy: bool = False):
         self.read_every = read_every
+        self.copy = copy  # --cuda-graphs: a loss the model's graph returned is overwritten by its next replay
         self._micro: list[torch.Tensor] = []  # this step's micro-batches, not yet closed
         self._closed: list[tuple[int, int, list[torch.Tensor]]] = []  # (step, epoch, micro-batches), not yet read
 
     def record(self, loss: torch.Tensor) -> None:
-        self._micro.append(loss.detach().float())
+        loss = loss.detach().float()
+        self._micro.append(loss.clone() if self.copy else loss)
 
     def close_step(self, step: int, epoch: int) -> None:
         """The optimizer step `step` is taken: its micro-batches' losses belong to it."""

@@ -167,7 +167,8 @@ class Run:
         if problem[0] is None and not self.is_main and os.environ.get("LOCAL_RANK", "0") == "0":
             problem[0] = _shared_filesystem_problem(self)
         _raise_if_any(accelerator, problem[0])
-        if self.config.compile:  # inductor's caches into the run dir (every rank, before the first step compiles)
+        if self.config.compile or self.config.cuda_graphs:  # inductor's caches into the run dir (every rank, before
+            # the first step compiles)
             compilation.use_run_cache(self.output_dir)
         if accelerator.log_with:
             accelerator.init_trackers(
@@ -209,7 +210,9 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     handlers = [InitProcessGroupKwargs(timeout=timeout)]
     if ddp_kwargs:
         handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
-    accelerator = (compilation.CompilingAccelerator if config.compile else Accelerator)(
+    compiling = config.compile or config.cuda_graphs
+    accelerator = (compilation.CompilingAccelerator if compiling else Accelerator)(
+        **({"compile_mode": "reduce-overhead"} if config.cuda_graphs else {}),
         cpu=use_cpu,
         mixed_precision=config.mixed_precision,
         gradient_accumulation_steps=config.grad_accum,
@@ -226,6 +229,9 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
             "--mixed-precision fp16 (or the accelerate config's fp16) needs a GPU: on CPU Accelerate would silently "
             "train in fp32; use --mixed-precision bf16 or no"
         )
+    if config.cuda_graphs and accelerator.device.type != "cuda":
+        raise UsageError(f"--cuda-graphs needs a CUDA device; this run is on {accelerator.device.type}: drop the flag "
+                         "(--compile compiles on any device)")
     if config.threads:  # after the Accelerator: it may have set its own thread count
         torch.set_num_threads(config.threads)
     slow_bf16 = None
