@@ -32,18 +32,21 @@ toolkit_job_setup() {
 }
 
 toolkit_srun() {
-  # srun runs in the background so the batch shell can act on SIGUSR1 (bash defers traps while a foreground
-  # command runs). The signal (from `#SBATCH --signal=B:USR1@120` or `scancel --batch --signal=USR1`) is
-  # forwarded to every process of the job steps; the workers checkpoint, requeue and exit 0.
+  # srun runs in the background so the batch shell can act on SIGUSR1 and SIGTERM (bash defers traps while a
+  # foreground command runs). SIGUSR1 (from `#SBATCH --signal=B:USR1@120` or `scancel --batch --signal=USR1`) is
+  # forwarded to every process of the job steps; the workers checkpoint, requeue and exit 0. SIGTERM (`scancel`,
+  # the time limit; `scancel --batch` reaches only this shell) likewise, and the workers checkpoint and exit 0
+  # without a requeue.
   srun --open-mode=append --output="$RUN_DIR/logs/%j-node%n.log" "$@" &
   local step=$!
   trap "echo 'batch shell: SIGUSR1, forwarding to the job steps'; scancel --signal=USR1 $SLURM_JOB_ID" USR1
+  trap "echo 'batch shell: SIGTERM, forwarding to the job steps'; scancel --signal=TERM $SLURM_JOB_ID" TERM
   local status=0
   while true; do
     wait "$step" && status=0 || status=$?
     kill -0 "$step" 2>/dev/null || break   # wait was interrupted by the trap: srun is still running
   done
-  trap - USR1
+  trap - USR1 TERM
   echo "job step finished with status $status"
   return "$status"
 }

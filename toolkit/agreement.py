@@ -14,12 +14,14 @@ class Agreement:
     preempted: bool = False
     diverged: bool = False
     stop: bool = False
+    terminated: bool = False  # the pre-emption was (on some rank) a SIGTERM: no requeue
 
 
-def agree(accelerator, *, preempted: bool = False, diverged: bool = False, stop: bool = False) -> Agreement:
+def agree(accelerator, *, preempted: bool = False, diverged: bool = False, stop: bool = False,
+          terminated: bool = False) -> Agreement:
     """Each flag true when it is true on any rank. One process: the flags themselves (no tensor, no collective)."""
     if accelerator.num_processes == 1:
-        return Agreement(preempted, diverged, stop)
-    flags = torch.tensor([preempted, diverged, stop], dtype=torch.float32, device=accelerator.device)
+        return Agreement(preempted, diverged, stop, terminated)
+    flags = torch.tensor([preempted, diverged, stop, terminated], dtype=torch.float32, device=accelerator.device)
     flags = accelerator.reduce(flags, reduction="sum")
     return Agreement(*(bool(v > 0) for v in flags.tolist()))

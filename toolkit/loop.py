@@ -88,6 +88,7 @@ class TrainingLoop(RunEnd):
         cfg, progress = self.config, self.progress
         if not self.run.begun:
             raise RuntimeError("call loop.start() before iterating loop.epochs()")
+        preemption.catch_sigterm()  # a launcher's worker too, from here on (toolkit.preemption)
         self.meter.open_bar(self.total_steps, progress.global_step, self.run.recipe)
         past_max_steps = cfg.max_steps is not None and progress.global_step >= cfg.max_steps
         self.stopped = bool(progress.stop_reason) or past_max_steps  # resumed after a stop or at --max-steps
@@ -185,11 +186,11 @@ class TrainingLoop(RunEnd):
             rider = self._rider if self.losses.read_due(step) else None
             problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg, rider)
             agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
-                           stop=self._stop_request is not None)
+                           stop=self._stop_request is not None, terminated=preemption._terminated)
             if agreed.diverged:
                 self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
             if agreed.preempted:
-                self._checkpoint_requeue_and_exit()
+                self._checkpoint_requeue_and_exit(requeue=not agreed.terminated)
             if agreed.stop:
                 self._take_stop_request()
         if self.stopped or end_of_epoch:
@@ -204,11 +205,12 @@ class TrainingLoop(RunEnd):
         if mid_epoch_save_due(cfg.checkpoint_every, step, new_best):
             self.save()
 
-    def _checkpoint_requeue_and_exit(self) -> None:
-        """Pre-empted (SIGUSR1): a complete checkpoint of this step, requeue (main process), every rank exits 0."""
+    def _checkpoint_requeue_and_exit(self, requeue: bool) -> None:
+        """Pre-empted (SIGUSR1, SIGTERM): a complete checkpoint of this step, requeue (main process; not after a
+        SIGTERM), every rank exits 0."""
         self.save()
         self.meter.close_bar()
-        preemption.requeue_and_exit(self.run, self.progress.global_step, self.config.max_requeues)
+        preemption.requeue_and_exit(self.run, self.progress.global_step, self.config.max_requeues, requeue)
 
     def _stop_without_saving(self, what: str) -> None:
         self.meter.close_bar()

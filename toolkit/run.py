@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import types
+import unicodedata
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -99,10 +100,13 @@ class Run:
         for the others. A failure that may have broken the process group (a lost peer, a bug) is left to
         one_line_errors and the exit hook (toolkit.shutdown): they first name the lost rank from the heartbeat, which
         releasing here would stop, and never destroy a broken group."""
-        if error is None:
-            self.end()
-        elif not shutdown.breaks_group(error):
-            shutdown.release()
+        try:
+            if error is None:
+                self.end()
+            elif not shutdown.breaks_group(error):
+                shutdown.release()
+        finally:
+            preemption.restore_handlers()  # the process that ran it (a test, a sweep) gets its own SIGTERM back
 
     def end(self) -> None:
         """The normal end, on every rank (a collective): the ranks meet, the trackers and the process group end.
@@ -320,6 +324,7 @@ RESUMABLE_CHANGES = {
 def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
     """(output_dir, checkpoint to resume or None, run name, a fresh run id, the resumed run's config.json, lines to
     print). Checks everything it can without writing: the directory, its lock, the checkpoint, the flags."""
+    _check_control_characters(config)
     run_id = secrets.token_hex(4)
     default_name = config.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{run_id}"
     output_dir = Path(config.output_dir) if config.output_dir is not None else None
@@ -331,13 +336,17 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
         if output_dir is None:
             output_dir = _newest_resumable_run(RUNS_ROOT / recipe, config, say=warnings.append)
         found = None
-        if output_dir is not None and checkpoint.newest_complete(output_dir) is not None:
+        entries = checkpoint.step_entries(output_dir) if output_dir is not None else []
+        if entries and (checkpoint.newest_complete(output_dir) is not None or any(not p.is_dir() for p in entries)):
             _check_not_locked(output_dir)
             found = checkpoint.newest_intact(output_dir, say=warnings.append)
-            if found is None:
-                raise UsageError(f"--resume-from auto: every checkpoint in {output_dir}/checkpoints is damaged "
-                                 f"({warnings[-1].split('(', 1)[-1].split(')')[0]}); nothing was changed")
+            if found is None:  # each entry, newest first, with what is wrong with it
+                shown = "; ".join(f"{p.name}: {checkpoint.why_not_intact(p)}" for p in entries[::-1][:3])
+                raise UsageError(f"--resume-from auto: no checkpoint in {output_dir}/checkpoints can be resumed from "
+                                 f"({shown}); nothing was changed: restore or remove them, or start a new run with "
+                                 "another --output-dir")
         if found is not None:
+            _check_settings_record(found, output_dir)
             previous = _previous_config(output_dir, config)
             return output_dir, found, output_dir.name, run_id, previous, warnings
         output_dir = output_dir or RUNS_ROOT / recipe / default_name
@@ -354,6 +363,7 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
         if output_dir is None:
             output_dir = found.parent.parent
         _check_not_locked(output_dir)
+        _check_settings_record(found, found.parent.parent)
         return output_dir, found, output_dir.name, run_id, _previous_config(found.parent.parent, config), warnings
     output_dir = output_dir or RUNS_ROOT / recipe / default_name
     if checkpoint.checkpoints_root(output_dir).exists() or any(
@@ -366,6 +376,28 @@ def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
     return output_dir, None, output_dir.name, run_id, None, warnings
 
 
+def _check_control_characters(config: TrainConfig) -> None:
+    """A path (or the run name, which names a directory) with a control character in it (a newline, a tab, an
+    escape) is a pasting accident: it would make a directory no one can type, and split the one-line messages."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, Path) or (field.name == "run_name" and isinstance(value, str)):
+            bad = next((c for c in str(value) if unicodedata.category(c) == "Cc"), None)
+            if bad is not None:
+                raise UsageError(f"--{field.name.replace('_', '-')} {str(value)!r} holds a control character "
+                                 f"({bad!r}); give it without control characters (newlines, tabs, escapes)")
+
+
+def _check_settings_record(found: Path, run_dir: Path) -> None:
+    """The run's config.json must say what the checkpoint recorded it ran with: flags are compared with
+    config.json, so an edited config.json would let a resume change what a step computes."""
+    changes = checkpoint.settings_changes(found, _read_config_json(run_dir) or {})
+    if changes:
+        raise UsageError(f"cannot resume from {found}: {run_dir}/{CONFIG_FILE} differs from the settings that "
+                         f"checkpoint was saved with ({'; '.join(changes)}); {CONFIG_FILE} was changed after the "
+                         "save: restore those values in it, or start a new run with another --output-dir")
+
+
 def _check_output_dir(output_dir: Path) -> None:
     if str(output_dir) in ("", "."):
         raise UsageError(f"--output-dir {str(output_dir)!r} is the current directory; give a directory for this run "
@@ -374,6 +406,9 @@ def _check_output_dir(output_dir: Path) -> None:
         raise UsageError(f"--output-dir {output_dir} is a file, not a directory; give a directory for this run")
     ancestor = output_dir
     while not ancestor.exists():
+        if ancestor.is_symlink():  # a symbolic link whose target does not exist: mkdir would say "File exists"
+            raise UsageError(f"--output-dir {output_dir}: {ancestor} is a symbolic link to {os.readlink(ancestor)}, "
+                             "which does not exist; create its target or give another --output-dir")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UsageError(f"--output-dir {output_dir}: {ancestor} is a file, so the directory cannot be made")
