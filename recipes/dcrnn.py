@@ -45,6 +45,7 @@ from toolkit.data.prepared import require_batch_fits
 from toolkit.data.traffic import (
     OUTPUT_STEPS,
     baseline_metrics,
+    data_warnings,
     horizon_metrics,
     prepare_traffic,
     split_windows,
@@ -169,6 +170,9 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         f"{len(split.valid)}/{len(split.test)}; speed mean {split.scaler.mean:.2f} std {split.scaler.std:.2f} "
         f"mph (training inputs)"
     )
+    for line in data_warnings(split.speed, meta, batches=len(train_loader), grad_accum=cfg.grad_accum,
+                              batch_size=cfg.batch_size):
+        run.print(line)  # once, from the main process; the run goes on
     baselines = baseline_metrics(split, split.test, "test", minutes)  # cheap, the same on every rank
 
     # ---- model and optimisation ----------------------------------------------------------------------------

@@ -161,6 +161,8 @@ def _bad_data(kind):
             frame = frame.iloc[:100]
         elif kind == "adjacency-size":
             ids, adjacency = ids[:9], adjacency[:9, :9]
+        elif kind == "bool-column":
+            frame = frame.assign(incident=frame[frame.columns[0]] < 20)  # a flag beside the speeds, not a sensor
         write_dataset(out, frame, ids, np.asarray(adjacency))
         if kind == "h5-garbage":
             (out / "metr-la.h5").write_bytes(bytes(range(256)) * 4)
@@ -182,6 +184,8 @@ BAD_INPUTS = [
     ("data-empty-dir", ["--data", _empty_dir], ["--data", "exactly one speed table"]),
     ("h5-without-time-index", ["--data", _bad_data("no-time-index")], ["metr-la.h5", "no time index"]),
     ("adjacency-size-disagrees", ["--data", _bad_data("adjacency-size")], ["adj_mx.pkl", "9 x 9", "10 sensors"]),
+    ("speeds-with-a-bool-column", ["--data", _bad_data("bool-column")],
+     ["metr-la.h5", "column(s) incident hold True/False values, not speeds"]),
     (
         "fewer-timesteps-than-a-window",
         ["--data", _bad_data("too-few-timesteps")],

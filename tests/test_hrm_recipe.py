@@ -154,7 +154,7 @@ def test_full_test_tests_every_puzzle_of_test_csv(tmp_path):
 # ---- bad input: one `error:` line naming the file and row, exit 2, nothing created -----------------------------
 
 
-def _csv_folder(bad_question=None):
+def _csv_folder(bad_question=None, bad_rating=None):
     """A Sudoku-Extreme-style folder (train.csv, test.csv) of generated puzzles; line 3 of train.csv broken."""
 
     def make(case_dir):
@@ -171,6 +171,8 @@ def _csv_folder(bad_question=None):
                              str(rating)])
             if name == "train.csv" and bad_question is not None:
                 rows[1][1] = bad_question(rows[1][1])
+            if name == "train.csv" and bad_rating is not None:
+                rows[1][3] = bad_rating
             with open(folder / name, "w", newline="") as handle:
                 csv.writer(handle).writerows([["source", "question", "answer", "rating"], *rows])
         return str(folder)
@@ -190,6 +192,9 @@ BAD_INPUTS = [
     ("data-missing", ["--data", "/no/such/sudoku"], ["--data /no/such/sudoku", "does not exist"]),
     ("csv-grid-too-short", ["--data", _csv_folder(lambda q: q[:80])], ["train.csv line 3", "80 characters"]),
     ("csv-non-digit", ["--data", _csv_folder(lambda q: "x" + q[1:])], ["train.csv line 3", "'x'", "column 1"]),
+    ("csv-no-blank", ["--data", _csv_folder(lambda q: q.replace(".", "1"))], ["train.csv line 3", "no blank"]),
+    ("csv-rating-superscript", ["--data", _csv_folder(bad_rating="\u00b2")],
+     ["train.csv line 3", "rating '\u00b2'", "ASCII digits"]),
     ("preset", ["--preset", "sudoku-4k"], ["--preset", "sudoku-4k"]),
     ("heads-do-not-divide", ["--heads", "3"], ["--hidden 16", "--heads 3"]),
     ("grad-accum", ["--grad-accum", "2"], ["--grad-accum 2", "carry"]),

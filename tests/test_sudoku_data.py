@@ -251,6 +251,9 @@ HOSTILE_BUILT = {
     "meta not numbers": (lambda d: _edit_meta(d, aug="two"), "are not numbers"),
     "two solutions, 17+ givens": (lambda d: _rewrite_rows(d, _two_solutions_at_row_15), "test puzzle 7 has more "
                                   "than one solution"),
+    "a puzzle with no blank": (lambda d: _rewrite_rows(d, lambda t: t["question"].__setitem__(14, t["answer"][14])),
+                               "test puzzle 6 has no blank cell: nothing to solve, and its blank-cell accuracy would "
+                               "be 0/0"),
 }
 
 
@@ -302,6 +305,18 @@ HOSTILE_CSV = {
     "an answer that changes a given": (lambda: _with_row(question="9" + "." * 80), "changes a given digit"),
     "a NUL byte in the source": (lambda: _with_row(source="bad\x00"), "line 3: source holds a NUL byte"),
     "a NUL byte in the rating": (lambda: _with_row(rating="3\x00"), "line 3: rating holds a NUL byte"),
+    "a superscript two for a rating": (lambda: _with_row(rating="\u00b2"),
+                                       "line 3: rating '\u00b2' is not a non-negative integer of ASCII digits 0-9"),
+    "an Arabic-Indic three for a rating": (lambda: _with_row(rating="\u0663"),
+                                           "line 3: rating '\u0663' is not a non-negative integer of ASCII digits"),
+    "a 5,000-digit rating": (lambda: _with_row(rating="9" * 5000),
+                             "line 3: rating '999999999999'... (5000 characters) is not a non-negative integer"),
+    "a rating past int32": (lambda: _with_row(rating="2147483648"), "rating '2147483648' is not a non-negative "
+                            "integer of ASCII digits 0-9 up to 2147483647"),
+    "an Arabic-Indic digit in the question": (lambda: _with_row(question="\u0663" + "." * 80),
+                                              "line 3: question holds '\u0663' at column 1"),
+    "a question with no blank": (lambda: _with_row(question=_ANSWER), "line 3: the question has no blank ('.' or "
+                                 "'0'): nothing to solve"),
 }
 
 

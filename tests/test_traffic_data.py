@@ -14,8 +14,10 @@ import torch
 
 from toolkit.data.traffic import (
     INPUT_STEPS,
+    MIN_STEPS_PER_EPOCH,
     OUTPUT_STEPS,
     baseline_forecasts,
+    data_warnings,
     generate,
     historical_average,
     horizon_metrics,
@@ -188,7 +190,7 @@ def test_baselines_against_hand_computed_forecasts(generated, tmp_path):
              "ids-share-a-row", "id-past-the-matrix", "speed-1e6", "all-zero", "all-nan", "negative-speed",
              "infinite-speed", "string-column", "repeated-timestamp", "adjacency-not-pickle", "adjacency-two-items",
              "adjacency-negative", "adjacency-nan", "adjacency-strings", "two-speed-tables", "no-adjacency",
-             "two-hdf-tables", "id-map-not-a-map", "adjacency-not-square", "time-runs-backwards"]
+             "two-hdf-tables", "id-map-not-a-map", "adjacency-not-square", "time-runs-backwards", "extra-bool-column"]
 )
 def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path):
     out, frame, ids, adjacency = generated
@@ -219,6 +221,9 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
     elif case == "string-column":
         table = frame.copy()
         table[table.columns[2]] = "fast"
+    elif case == "extra-bool-column":
+        table = frame.copy()
+        table["incident"] = frame[frame.columns[0]] < 20  # a flag beside the speeds, not a sensor
     elif case == "repeated-timestamp":
         table = frame.copy()
         table.index = table.index.where(np.arange(len(table)) != 30, table.index[29])
@@ -281,6 +286,7 @@ def test_bad_files_are_one_line_errors_naming_the_file(case, generated, tmp_path
         "id-map-not-a-map": ("adj_mx.pkl", "id_to_index is not a map"),
         "adjacency-not-square": ("adj_mx.pkl", "the adjacency is 12 x 11", "12"),
         "time-runs-backwards": ("metr-la.h5", "the timestamps must increase"),
+        "extra-bool-column": ("metr-la.h5", "column(s) incident hold True/False values, not speeds in mph"),
     }[case]
     for fragment in expected:
         assert fragment in message, message
@@ -338,3 +344,74 @@ def test_nan_speeds_are_missing_readings_like_zeros(generated, tmp_path):
     zero_ds, zero_meta = prepare_traffic(tmp_path / "zero", tmp_path / "cache")
     assert torch.equal(torch.as_tensor(np.asarray(nan_ds["speed"])), torch.as_tensor(np.asarray(zero_ds["speed"])))
     assert nan_meta["missing_fraction"] == zero_meta["missing_fraction"] > 0
+
+
+# ---- data that trains but teaches little: one warning line each, the run goes on -----------------------------
+
+
+def _column(frame, sensor, value):
+    table = frame.copy()
+    table[table.columns[sensor]] = value
+    return table
+
+
+def _constant_readings(frame, sensor, mph):
+    """The sensor reads `mph` wherever it has a reading (its missing readings stay 0)."""
+    table = frame.copy()
+    column = table.columns[sensor]
+    table[column] = np.where(frame[column] > 0, mph, 0.0)
+    return table
+
+
+# case: (table from the generated one, adjacency from the generated one, data_warnings flags, fragment of the line)
+WARNED = {
+    "a graph with no edges (only the diagonal)": (lambda f: f, lambda a: np.eye(len(a)), {},
+                                                  "the adjacency has no edge between two sensors (only its diagonal)"),
+    "an all-zero adjacency": (lambda f: f, np.zeros_like, {}, "the adjacency is all zeros: the graph diffusion "
+                              "carries nothing from one sensor to another"),
+    "a sensor missing throughout (zeros)": (lambda f: _column(f, 3, 0.0), lambda a: a, {},
+                                            "sensor {ids[3]} (1 of 12) has no reading in the whole table"),
+    "two sensors missing throughout (NaN)": (lambda f: _column(_column(f, 3, np.nan), 7, np.nan), lambda a: a, {},
+                                             "sensors {ids[3]}, {ids[7]} (2 of 12) have no reading in the whole table"),
+    "a sensor stuck at 55 mph": (lambda f: _constant_readings(f, 5, 55.0), lambda a: a, {},
+                                 "sensor {ids[5]} (1 of 12) reads one constant speed at every reading (e.g. 55 mph"),
+    "one constant speed everywhere": (lambda f: (f > 0) * 60.0, lambda a: a, {},
+                                      "sensors {ids[0]}, {ids[1]}, {ids[2]}, ... (12 of 12) read one constant speed"),
+    "--grad-accum 1000: one step an epoch": (lambda f: f, lambda a: a, {"batches": 30, "grad_accum": 1000,
+                                                                        "batch_size": 32},
+                                             "warning: --grad-accum 1000 leaves 1 optimizer step an epoch (30 batches "
+                                             "of --batch-size 32), fewer than 10"),
+    "--grad-accum 4: 8 steps an epoch": (lambda f: f, lambda a: a, {"batches": 30, "grad_accum": 4, "batch_size": 32},
+                                         "--grad-accum 4 leaves 8 optimizer steps an epoch"),
+}
+
+
+@pytest.fixture(scope="module")
+def generated_split(generated, tmp_path_factory):
+    out, _, _, _ = generated
+    ds, meta = prepare_traffic(out, tmp_path_factory.mktemp("cache"))
+    return split_windows(ds), meta
+
+
+@pytest.mark.parametrize("case", list(WARNED))
+def test_degenerate_data_is_one_warning_line_and_the_data_is_kept(case, generated, generated_split, tmp_path):
+    _, frame, ids, adjacency = generated
+    table, graph, flags, fragment = WARNED[case]
+    if flags:  # the flags alone: the generated data itself
+        split, meta = generated_split
+    else:
+        write_dataset(tmp_path / "data", table(frame), ids, graph(adjacency))
+        ds, meta = prepare_traffic(tmp_path / "data", tmp_path / "cache")  # read and cached: training goes on
+        split = split_windows(ds)
+    lines = data_warnings(split.speed, meta, **flags)
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "\n" not in lines[0], lines
+    assert fragment.format(ids=ids) in lines[0], lines[0]
+    if not flags:
+        assert lines[0].startswith(f"warning: --data {tmp_path / 'data'}: ")
+
+
+def test_plain_data_and_enough_steps_warn_of_nothing(generated_split):
+    split, meta = generated_split
+    assert data_warnings(split.speed, meta, batches=30, grad_accum=1, batch_size=32) == []
+    assert data_warnings(split.speed, meta, batches=30, grad_accum=3, batch_size=32) == []  # 10 steps: enough
+    assert data_warnings(split.speed, meta, batches=MIN_STEPS_PER_EPOCH - 1, batch_size=32) == []  # not --grad-accum's

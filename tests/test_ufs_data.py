@@ -366,16 +366,6 @@ HOSTILE_NETCDF = {
 }
 
 
-@pytest.mark.parametrize("case", list(HOSTILE_NETCDF))
-def test_hostile_netcdf_files_are_one_line_naming_file_and_variable(case, grid_file, accelerator, tmp_path):
-    edit, flags, fragment = HOSTILE_NETCDF[case]
-    path = _edited(grid_file, tmp_path / "hostile.nc", edit)
-    with pytest.raises(UsageError) as error:
-        load_patterns(accelerator, path, **flags)
-    message = str(error.value)
-    assert "\n" not in message and str(path) in message and fragment in message, message
-
-
 def test_a_wider_range_or_none_accepts_what_the_default_refuses(grid_file, accelerator, tmp_path):
     path = _edited(grid_file, tmp_path / "warm.nc", lambda ds: _set_inside(ds, "tair", np.float32(360.0), 2))
     with pytest.raises(UsageError, match="'tair' \\(K\\) has 2 values outside 150 .. 350"):
@@ -516,6 +506,107 @@ HOSTILE_NETCDF.update({
                                                                          "open_water": False},
                                      "has no ice fraction (for open water left out) variable 'aice'"),
 })
+
+
+# ---- dimensions by name, latitudes on the Earth, fields without units, one variable per input ------------------
+
+
+def _square(ds):
+    """The grid cut to 60 x 60 (the first 60 columns): on a square grid a transposed field has the fields' shape."""
+    square = ds.isel(ni=slice(0, 60))
+    for name in list(ds.data_vars):
+        del ds[name]
+    for name, variable in square.data_vars.items():
+        ds[name] = variable
+
+
+def _stored_as_ni_nj(ds, names=("hi", "tmask", "TLAT")):
+    """The same values, stored with the grid's dimensions the other way round: (time, ni, nj) / (ni, nj)."""
+    for name in names:
+        ds[name] = ds[name].transpose(..., "ni", "nj")
+
+
+def _square_with_unrelated_names(ds):
+    _square(ds)
+    ds["hi"] = (("time", "y", "x"), ds["hi"].values, ds["hi"].attrs)
+
+
+def _without_units(ds, name):
+    del ds[name].attrs["units"]
+
+
+def _one_standard_name_twice(ds):
+    for twin in ("SST_a", "SST_b"):
+        ds[twin] = ds["sst"].assign_attrs(standard_name="sea_surface_temperature")
+    del ds["sst"]
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["60x120", "60x60"])
+def test_a_field_stored_as_ni_nj_is_read_by_dimension_name(square, grid_file, accelerator, tmp_path):
+    """A field, the mask and the latitudes stored (ni, nj) beside fields stored (nj, ni) give the patterns of the file
+    stored one way; on a square grid, read by position, they would have the same shape and be silently transposed."""
+    cut = _square if square else (lambda ds: None)
+    plain = _edited(grid_file, tmp_path / "plain.nc", cut)
+    turned = _edited(grid_file, tmp_path / "turned.nc", lambda ds: (cut(ds), _stored_as_ni_nj(ds)))
+    with xr.open_dataset(turned) as ds:
+        assert ds["hi"].dims == ("time", "ni", "nj") and ds["sst"].dims == ("time", "nj", "ni")
+        assert ds["tmask"].dims == ds["TLAT"].dims == ("ni", "nj")
+    expected, got = load_patterns(accelerator, plain, seed=1), load_patterns(accelerator, turned, seed=1)
+    assert got.meta["patterns"] == expected.meta["patterns"] > 100
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_fields_without_units_in_their_plausible_range_are_accepted(grid_file, accelerator, tmp_path):
+    bare = _edited(grid_file, tmp_path / "bare.nc", lambda ds: [_without_units(ds, n) for n in [*FIELDS, "aice"]])
+    with xr.open_dataset(bare) as ds:
+        assert not any("units" in ds[name].attrs for name in FIELDS)
+    plain = load_patterns(accelerator, grid_file)
+    assert torch.equal(load_patterns(accelerator, bare).train_inputs, plain.train_inputs)
+
+
+def test_an_explicit_name_settles_an_ambiguous_input(grid_file, accelerator, tmp_path):
+    path = _edited(grid_file, tmp_path / "twins.nc", _one_standard_name_twice)
+    chosen = load_patterns(accelerator, path, variables={"sst": "SST_b"})
+    assert chosen.meta["variables"]["sst"] == "SST_b"
+    assert torch.equal(chosen.train_inputs, load_patterns(accelerator, grid_file).train_inputs)
+
+
+HOSTILE_NETCDF.update({
+    "a square grid, a field's dimensions named unlike the others'": (
+        _square_with_unrelated_names, {},
+        "variable 'hi' has dimensions (y, x), 'sst' has (nj, ni): no name in common, and on a square 60 x 60 grid"),
+    "latitude 95 in the domain": (lambda ds: _set_inside(ds, "TLAT", np.float32(95.0), 3), {},
+                                  "latitude 'TLAT' has 3 values outside -90 .. 90 (e.g. 95)"),
+    "latitude -123 in the domain": (lambda ds: _set_inside(ds, "TLAT", np.float32(-123.0), 1), {"hemisphere": "south"},
+                                    "latitude 'TLAT' has 1 values outside -90 .. 90 (e.g. -123)"),
+    "air at 1e4 K, no units attribute": (lambda ds: (_set_inside(ds, "tair", np.float32(1e4), 1),
+                                                     _without_units(ds, "tair")), {},
+                                         "field 'tair' (no units attribute: the range of tair in any of its usual "
+                                         "units) has 1 values outside -120 .. 350"),
+    "ice 1 km thick, no units attribute": (lambda ds: (_set_inside(ds, "hi", np.float32(1000.0), 2),
+                                                       _without_units(ds, "hi")), {},
+                                           "field 'hi' (no units attribute"),
+    "two variables with one standard_name": (_one_standard_name_twice, {},
+                                             "input 'sst' is ambiguous: both 'SST_a' (standard_name "
+                                             "sea_surface_temperature) and 'SST_b' (standard_name "
+                                             "sea_surface_temperature) name it; choose one with --variables sst=VAR"),
+    "our name and the CICE name for one input": (lambda ds: ds.__setitem__("aice_h", ds["aice"]), {},
+                                                 "output 'aice' is ambiguous: both 'aice' (our name) and 'aice_h' "
+                                                 "(the CICE history name) name it"),
+})
+
+
+# Parametrized here, after the last HOSTILE_NETCDF.update above: the list is taken when the decorator runs.
+@pytest.mark.parametrize("case", list(HOSTILE_NETCDF))
+def test_hostile_netcdf_files_are_one_line_naming_file_and_variable(case, grid_file, accelerator, tmp_path):
+    edit, flags, fragment = HOSTILE_NETCDF[case]
+    path = _edited(grid_file, tmp_path / "hostile.nc", edit)
+    with pytest.raises(UsageError) as error:
+        load_patterns(accelerator, path, **flags)
+    message = str(error.value)
+    names_the_file = str(path) in message or fragment.startswith("--")  # a bad flag names the flag instead
+    assert "\n" not in message and names_the_file and fragment in message, message
 
 
 # ---- two files: each named in its errors; a grid mismatch is one line with both shapes ----------------------

@@ -22,8 +22,10 @@ puzzles are other originals than the training ones, so no augmentation of a held
 aug (0 = the original), rating.
 
 Errors (one line, exit 2, naming the file and line): a CSV row whose question is not 81 characters of 1-9 or '.'
-(or '0'), whose answer is not a valid solved grid that agrees with the question's givens, a rating that is not
-a non-negative integer, a missing column; a --data directory that is not a built dataset.
+(or '0'), or has no blank (a puzzle with nothing to solve is refused everywhere, in a CSV and in a built dataset, so
+blank-cell accuracy is never 0/0), whose answer is not a valid solved grid that agrees with the question's givens,
+a rating that is not ASCII digits 0-9 up to 2^31 - 1 (not '²', not Arabic-Indic digits, not 5,000 digits), a
+missing column; a --data directory that is not a built dataset.
 """
 
 from __future__ import annotations
@@ -311,6 +313,7 @@ def generate(recipe: Recipe, progress: bool = True) -> tuple[datasets.Dataset, d
 # ----------------------------------------------------------------------------------------------------
 
 CSV_COLUMNS = ("source", "question", "answer", "rating")
+MAX_RATING = 2**31 - 1  # stored as int32
 
 
 def _grid(text: str, path: Path, line: int, column: str, blanks: bool) -> list[int]:
@@ -322,7 +325,21 @@ def _grid(text: str, path: Path, line: int, column: str, blanks: bool) -> list[i
     if bad is not None:
         raise UsageError(f"{path} line {line}: {column} holds {bad!r} at column {text.index(bad) + 1}; only "
                          f"{'1-9 and . (blank)' if blanks else '1-9'} are allowed")
-    return [0 if ch in ".0" else int(ch) for ch in text]
+    grid = [0 if ch in ".0" else int(ch) for ch in text]
+    if blanks and 0 not in grid:
+        raise UsageError(f"{path} line {line}: the question has no blank ('.' or '0'): nothing to solve, and its "
+                         "blank-cell accuracy would be 0/0; every puzzle needs at least one blank")
+    return grid
+
+
+def _rating(text: str, path: Path, line: int) -> int:
+    """A rating: ASCII digits 0-9 only (str.isdigit also takes '²' and Arabic-Indic digits), at most MAX_RATING."""
+    if not (text and len(text) <= len(str(MAX_RATING)) and all("0" <= ch <= "9" for ch in text)) \
+            or int(text) > MAX_RATING:
+        shown = repr(text) if len(text) <= 20 else f"{text[:12]!r}... ({len(text)} characters)"
+        raise UsageError(f"{path} line {line}: rating {shown} is not a non-negative integer of ASCII digits 0-9 "
+                         f"up to {MAX_RATING}")
+    return int(text)
 
 
 def read_csv(path: Path | str) -> list[tuple[list[int], list[int], int]]:
@@ -359,10 +376,7 @@ def read_csv(path: Path | str) -> list[tuple[list[int], list[int], int]]:
                                      "in a row, column or box)")
                 if not agrees(question, answer):
                     raise UsageError(f"{path} line {line}: the answer changes a given digit of the question")
-                rating = row[3].strip()
-                if not rating.isdigit():
-                    raise UsageError(f"{path} line {line}: rating {rating!r} is not a non-negative integer")
-                puzzles.append((question, answer, int(rating)))
+                puzzles.append((question, answer, _rating(row[3].strip(), path, line)))
         except UnicodeDecodeError:
             raise UsageError(f"{path} is not a text CSV (not UTF-8); give a Sudoku-Extreme CSV") from None
         except csv.Error as error:
@@ -465,7 +479,8 @@ def check_dataset(ds: datasets.Dataset, meta: dict, where: str) -> None:
     """What a built dataset (edited, or built by hand) can get wrong, each one line: splits that are not the three
     consecutive parts of the table, row counts that do not match the puzzles and augmentations recorded, a puzzle
     twice (in one split or across splits: a test puzzle seen in training), a puzzle that cannot have one solution
-    (fewer than 17 givens), and an answer that does not solve its puzzle."""
+    (fewer than 17 givens), a puzzle with no blank (nothing to solve: blank-cell accuracy would be 0/0), and an answer
+    that does not solve its puzzle."""
     rows = len(ds)
     try:
         bounds = [tuple(int(v) for v in meta["splits"][name]) for name in ("train", "val", "test")]
@@ -502,6 +517,10 @@ def check_dataset(ds: datasets.Dataset, meta: dict, where: str) -> None:
     if len(few):
         raise UsageError(f"{where}: {split_of[few[0]]} puzzle {few[0]} has {givens[few[0]]} givens; with fewer than "
                          f"{MIN_GIVENS} a Sudoku has more than one solution")
+    full = np.flatnonzero(givens == CELLS)
+    if len(full):
+        raise UsageError(f"{where}: {split_of[full[0]]} puzzle {full[0]} has no blank cell: nothing to solve, and its "
+                         "blank-cell accuracy would be 0/0; every puzzle needs at least one blank")
     for i, (question, answer) in enumerate(zip(questions, answers, strict=True)):
         if not (is_valid_solution(answer) and agrees(question, answer)):
             raise UsageError(f"{where}: the answer of {split_of[i]} puzzle {i} does not solve it")

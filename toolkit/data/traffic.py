@@ -115,6 +115,10 @@ def read_speeds(path: Path, max_speed: float = MAX_SPEED) -> pd.DataFrame:
             f"{path}: the timestamps must increase at one constant interval (found intervals "
             f"{sorted(set(pd.to_timedelta(np.unique(steps)[:3]).astype(str)))}...)"
         )
+    flags = [str(c) for c, dtype in frame.dtypes.items() if pd.api.types.is_bool_dtype(dtype)]
+    if flags:  # pandas counts bool as numeric: it would pass as a sensor and surface as an adjacency size mismatch
+        raise UsageError(f"{path}: column(s) {', '.join(flags[:3])} hold True/False values, not speeds in mph; every "
+                         "column of the table is one sensor's speeds: drop the flag column(s)")
     non_numeric = [str(c) for c, dtype in frame.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
     if non_numeric:
         raise UsageError(f"{path}: sensor column(s) {', '.join(non_numeric[:3])} are not numeric speeds")
@@ -323,6 +327,55 @@ def split_windows(ds: datasets.Dataset) -> TrafficSplit:
     inputs = torch.stack([scaler.transform(speed), time_of_day[:, None].expand_as(speed)], dim=-1)
     parts = [TrafficWindows(inputs, speed, window_starts(bounds[i], bounds[i + 1])) for i in range(3)]
     return TrafficSplit(*parts, scaler=scaler, bounds=bounds, speed=speed, slot_of_week=table["slot_of_week"])
+
+
+MIN_STEPS_PER_EPOCH = 10  # fewer optimizer steps an epoch than this is said in one line
+
+
+def data_warnings(speed: torch.Tensor, meta: dict, *, batches: int = 0, grad_accum: int = 1,
+                  batch_size: int = 0) -> list[str]:
+    """One `warning:` line for each thing that trains without error but teaches little (the run goes on; the recipe
+    prints them once, from the main process): a graph with no edges between sensors (an all-zero adjacency, or only
+    its diagonal), sensors with no reading in the whole table, sensors that read one constant speed throughout, and
+    a --grad-accum that leaves fewer than MIN_STEPS_PER_EPOCH optimizer steps an epoch (`batches` a process
+    takes an epoch)."""
+    where = f"--data {meta.get('source', '?')}"
+    ids = meta["sensor_ids"]
+    lines = []
+
+    def sensors(chosen: np.ndarray) -> str:
+        shown = ", ".join(ids[i] for i in chosen[:3]) + (", ..." if len(chosen) > 3 else "")
+        return f"sensor{'s' if len(chosen) > 1 else ''} {shown} ({len(chosen)} of {len(ids)})"
+
+    adjacency = np.asarray(meta["adjacency"], dtype=np.float64)
+    between = adjacency * (1 - np.eye(len(adjacency)))
+    if not (between > 0).any():
+        what = "the adjacency is all zeros" if not (adjacency > 0).any() else "the adjacency has no edge between " \
+            "two sensors (only its diagonal)"
+        lines.append(f"warning: {where}: {what}: the graph diffusion carries nothing from one sensor to another, so "
+                     "each is forecast from its own readings alone; check adj*.pkl")
+    observed = speed > 0
+    counts = observed.sum(dim=0)
+    never = np.flatnonzero((counts == 0).numpy())
+    if len(never):
+        lines.append(f"warning: {where}: {sensors(never)} {'have' if len(never) > 1 else 'has'} no reading in the "
+                     f"whole table (every speed 0 or NaN): never scored, and {'their' if len(never) > 1 else 'its'} "
+                     "zeros are fed to the graph as inputs; drop them or check the table")
+    low = torch.where(observed, speed, torch.full_like(speed, math.inf)).amin(dim=0)
+    high = torch.where(observed, speed, torch.full_like(speed, -math.inf)).amax(dim=0)
+    constant = np.flatnonzero(((counts > 1) & (low == high)).numpy())
+    if len(constant):
+        first = int(constant[0])
+        lines.append(f"warning: {where}: {sensors(constant)} read{'' if len(constant) > 1 else 's'} one constant "
+                     f"speed at every reading (e.g. {float(low[first]):g} mph at all {int(counts[first])}): a stuck "
+                     "sensor or filled-in data, nothing there varies to forecast; check the table")
+    if grad_accum > 1 and batches:
+        steps = math.ceil(batches / grad_accum)
+        if steps < MIN_STEPS_PER_EPOCH:
+            lines.append(f"warning: --grad-accum {grad_accum} leaves {steps} optimizer step{'s' if steps > 1 else ''} "
+                         f"an epoch ({batches} batches of --batch-size {batch_size}), fewer than "
+                         f"{MIN_STEPS_PER_EPOCH}: the weights barely move; lower --grad-accum or --batch-size")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------

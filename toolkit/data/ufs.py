@@ -22,9 +22,15 @@ statistics are merged from those shards (count, mean, M2 in float64: toolkit.dis
 shards are then assembled in pattern order on every rank, so the training set, and with it the training, does not
 depend on how the patterns were sharded.
 
+Dimensions are matched by name, never by position: a field stored as (ni, nj) beside fields stored as (nj, ni) is
+read transposed back (`by_name`); one whose dimension names share nothing with the first field's is refused on a
+square grid, where sizes cannot tell rows from columns.
+
 Bad input is one UsageError line naming the file and what is wrong: a missing or unreadable file, a missing
-variable (with the names tried), two files on different grids, a field that is not 2-D, an all-masked domain,
-NaNs in a field inside the domain (with their count).
+variable (with the names tried), two variables in one file for one input (naming both), two files on different
+grids, a field that is not 2-D, an all-masked domain, latitudes outside -90 .. 90 in the masked cells, NaNs in a
+field inside the domain (with their count), values outside the physical range of the field's units (with no
+units attribute: of what its name names, in any of its usual units).
 
 The generator writes such a file: the 14 fields on a lat/lon grid with plausible ranges and units (land cells are
 fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
@@ -147,8 +153,9 @@ def require_variables(ds, path: Path | str, names, what: str) -> None:
         )
 
 
-def grid_field(ds, name: str, path: Path | str):
-    """The variable as a 2-D (y, x) DataArray: leading length-1 dimensions (time) are dropped."""
+def grid_field(ds, name: str, path: Path | str, like: tuple | None = None):
+    """The variable as a 2-D (y, x) DataArray: leading length-1 dimensions (time) are dropped. With `like` (the first
+    field: (its name, its 2-D DataArray)) its dimensions are matched to that field's BY NAME, never by position."""
     array = ds[name]
     while array.ndim > 2 and array.shape[0] == 1:
         array = array.isel({array.dims[0]: 0})
@@ -156,6 +163,29 @@ def grid_field(ds, name: str, path: Path | str):
         raise UsageError(
             f"--data {path}: variable {name!r} has dimensions {dict(array.sizes)}; expected a 2-D "
             "grid field (leading length-1 dimensions such as time are allowed)"
+        )
+    return array if like is None else by_name(array, name, *like, path)
+
+
+def by_name(array, name: str, like_name: str, like, path: Path | str):
+    """`array` (2-D) with its dimensions in like's order, matched by name: a field stored as (ni, nj) beside fields
+    stored as (nj, ni) is read transposed back, never row for column. With one name in common, that name fixes the
+    order. With none, only sizes could tell, and only on a grid that is not square: there the array is taken as it
+    is (another shape is refused by the caller's grid check); on a square grid it is refused."""
+    own, dims = tuple(str(d) for d in array.dims), tuple(str(d) for d in like.dims)
+    if own == dims:
+        return array
+    if set(own) == set(dims):
+        return array.transpose(*dims)
+    shared = set(own) & set(dims)
+    if shared:
+        common = shared.pop()
+        return array if own.index(common) == dims.index(common) else array.transpose(*array.dims[::-1])
+    if array.shape == like.shape and array.shape[0] == array.shape[1]:
+        raise UsageError(
+            f"--data {path}: variable {name!r} has dimensions ({', '.join(own)}), {like_name!r} has "
+            f"({', '.join(dims)}): no name in common, and on a square {array.shape[0]} x {array.shape[1]} grid the "
+            "sizes cannot tell rows from columns; give every field the same dimension names (ncrename -d OLD,NEW)"
         )
     return array
 
@@ -205,6 +235,29 @@ def find_variable(sources: list[Source], candidates, standard_names=()) -> tuple
     return None
 
 
+def ambiguity(source: Source, name: str, what: str, candidates, standard_names) -> UsageError | None:
+    """Two variables of one file that both name our `name` (two of its names tried, or a name and a standard_name,
+    or two variables with one standard_name): one error naming both, else None. A precedence here would pick one
+    without a word."""
+    hits: dict[str, str] = {}
+    for candidate in candidates:
+        if candidate in source.ds.variables:
+            hits.setdefault(candidate, "our name" if candidate == name else "the CICE history name"
+                            if candidate == CICE_NAMES.get(name) else "a CF name")
+    for var_name, variable in source.ds.variables.items():
+        standard = variable.attrs.get("standard_name")
+        if standard in standard_names:
+            hits.setdefault(str(var_name), f"standard_name {standard}")
+    if len(hits) < 2:
+        return None
+    (a, why_a), (b, why_b) = list(hits.items())[:2]
+    more = f" (and {len(hits) - 2} more)" if len(hits) > 2 else ""
+    return UsageError(
+        f"{source.flag} {source.path}: {what} {name!r} is ambiguous: both {a!r} ({why_a}) and {b!r} ({why_b}) name "
+        f"it{more}; choose one with --variables {name}=VAR"
+    )
+
+
 def _missing(sources: list[Source], name: str, what: str, tried: list[str], hint: str = "",
              standard: bool = False) -> UsageError:
     files = " and ".join(f"{s.flag} {s.path}" for s in sources)
@@ -241,6 +294,10 @@ def resolve_variables(
         hit = find_variable(sources, tried, standard)
         if hit is None:
             raise _missing(sources, tried[0], what, tried, standard=bool(standard))
+        if not (variables and name in variables):  # an explicit name is the user's choice
+            ambiguous = ambiguity(hit[0], name, what, tried, standard)
+            if ambiguous is not None:
+                raise ambiguous
         found[name] = hit
     mask = ""
     if mask_variable:
@@ -275,14 +332,19 @@ def resolve_variables(
 
 
 def check_same_grid(sources: list[Source], found: dict[str, tuple[Source, str]]) -> None:
-    """Two files must hold their fields on one grid: the first field of each decides (one error naming both)."""
-    first: dict[str, tuple[str, tuple]] = {}
+    """Two files must hold their fields on one grid: the first field of each decides (one error naming both; the
+    second's dimensions matched to the first's by name)."""
+    first: dict[str, tuple[str, Source]] = {}
     for source, var in found.values():
         if source.flag not in first:
-            first[source.flag] = (var, tuple(grid_field(source.ds, var, source.path).shape))
+            first[source.flag] = (var, source)
     if len(first) < 2:
         return
-    (a, (var_a, shape_a)), (b, (var_b, shape_b)) = first.items()
+    (a, (var_a, source_a)), (b, (var_b, source_b)) = first.items()
+    array_a = grid_field(source_a.ds, var_a, source_a.path)
+    both = f"{source_a.path} (with {b} {source_b.path})"
+    shape_a = tuple(array_a.shape)
+    shape_b = tuple(grid_field(source_b.ds, var_b, both, like=(var_a, array_a)).shape)
     if shape_a != shape_b:
         path = {s.flag: s.path for s in sources}
         raise UsageError(
@@ -328,13 +390,35 @@ PHYSICAL_RANGES = {
     "W m-2": (-100.0, 2000.0),
 }
 FRACTIONS = {"aice", "aice_h"}  # sea-ice concentration: 0 .. 1 (with a margin for noise)
+# A field with no `units` attribute: the plausible range of what our name names, in any of its usual units (a
+# temperature in K or degC, a humidity in kg/kg or g/kg), so that a 1e4 K cell is refused all the same.
+_TEMPERATURE = (-120.0, 350.0)
+NAMED_RANGES = {
+    "sst": _TEMPERATURE,
+    "tair": _TEMPERATURE,
+    "tsfc": _TEMPERATURE,
+    "sss": (0.0, 60.0),
+    "sice": (0.0, 60.0),
+    "hi": (0.0, 50.0),
+    "hs": (0.0, 50.0),
+    "uocn": (-150.0, 150.0),
+    "vocn": (-150.0, 150.0),
+    "uatm": (-150.0, 150.0),
+    "vatm": (-150.0, 150.0),
+    "qref": (0.0, 100.0),
+    "flwdn": (-100.0, 2000.0),
+    "fswdn": (-100.0, 2000.0),
+}
 
 
 def physical_range(name: str, units: str, factor: float = 1.0) -> tuple[float, float] | None:
-    """(low, high) a field's values must lie in, widened around its centre by `factor` (0: no check); None when
-    neither its name nor its units are known."""
+    """(low, high) a field's values must lie in, widened around its centre by `factor` (0: no check): by its units,
+    and with no units by what our `name` names (NAMED_RANGES); None when neither its name nor its units are known."""
     # A fraction is 0..1; the margin lets observation-like noise through (the generator adds N(0, sigma^2)).
-    limits = (-0.25, 1.25) if name in FRACTIONS else PHYSICAL_RANGES.get(units.strip())
+    if name in FRACTIONS:
+        limits = (-0.25, 1.25)
+    else:
+        limits = PHYSICAL_RANGES.get(units.strip()) if units.strip() else NAMED_RANGES.get(name)
     if limits is None or factor == 0:
         return None
     centre, half = (limits[0] + limits[1]) / 2, (limits[1] - limits[0]) / 2 * factor
@@ -361,22 +445,23 @@ def select_patterns(
     with a keyed validation coin per cell. Reads only the mask, latitude and ice fields; identical on every rank."""
     if hemisphere not in HEMISPHERES:
         raise UsageError(f"--hemisphere {hemisphere} is invalid; give one of {', '.join(HEMISPHERES)}")
-    shape = grid_field(ds, names[0], path).shape
+    first = (names[0], grid_field(ds, names[0], path))  # every other field's dimensions are matched to its by name
+    shape = first[1].shape
     for name in names:
         kind = grid_field(ds, name, path).dtype.kind
         if kind not in "fiub":
             raise UsageError(f"--data {path}: variable {name!r} holds {grid_field(ds, name, path).dtype} values, not "
                              "numbers; every input and output must be a numeric field")
     for name in names[1:]:
-        if grid_field(ds, name, path).shape != shape:
+        if grid_field(ds, name, path, like=first).shape != shape:
             raise UsageError(
-                f"--data {path}: variable {name!r} has grid {grid_field(ds, name, path).shape}, "
+                f"--data {path}: variable {name!r} has grid {grid_field(ds, name, path, like=first).shape}, "
                 f"{names[0]!r} has {shape}; every field must be on the same grid"
             )
     domain = np.ones(shape, dtype=bool)
     if mask_variable:
         require_variables(ds, path, [mask_variable], 'mask (--mask-variable; "" for none)')
-        mask = grid_field(ds, mask_variable, path)
+        mask = grid_field(ds, mask_variable, path, like=first)
         if mask.shape != shape:
             raise UsageError(f"--data {path}: mask {mask_variable!r} has grid {mask.shape}, the fields {shape}; "
                              "the mask must be on the fields' grid")
@@ -385,18 +470,25 @@ def select_patterns(
         domain &= np.nan_to_num(np.asarray(mask.values, dtype=np.float64)) > 0.5
     if min_abs_lat > 0 or hemisphere != "both":
         require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
-        lat_field = grid_field(ds, lat_variable, path)
+        lat_field = grid_field(ds, lat_variable, path, like=first)
         if lat_field.dtype.kind not in "fiu":
             raise UsageError(f"--data {path}: latitude {lat_variable!r} holds {lat_field.dtype} values; latitudes are "
                              "degrees north (numbers)")
         lat = np.asarray(lat_field.values, dtype=np.float64)
         if lat.shape != shape:
             raise UsageError(f"--data {path}: latitude {lat_variable!r} has grid {lat.shape}, the fields {shape}")
+        off_earth = domain & np.isfinite(lat) & (np.abs(lat) > 90)  # the cells the mask keeps (land may hold fill)
+        if off_earth.any():
+            raise UsageError(
+                f"--data {path}: latitude {lat_variable!r} has {int(off_earth.sum())} values outside -90 .. 90 "
+                f"(e.g. {lat[off_earth][0]:g}) in the cells the mask keeps; latitudes are degrees north: check the "
+                "file, or name the latitude variable with --lat-variable"
+            )
         lat = np.nan_to_num(lat)
         poleward = {"both": np.abs(lat), "north": lat, "south": -lat}[hemisphere]
         domain &= poleward >= min_abs_lat
     if ice_variable:
-        ice = grid_field(ds, ice_variable, path)
+        ice = grid_field(ds, ice_variable, path, like=first)
         if ice.shape != shape:
             raise UsageError(f"--data {path}: {ice_variable!r} has grid {ice.shape}, the fields {shape}")
         domain &= np.nan_to_num(np.asarray(ice.values, dtype=np.float64)) > 0
@@ -430,8 +522,9 @@ def read_shard(ds, path, names, cells: np.ndarray, rank: int, world: int) -> np.
 
     mine = cells[rank::world]
     columns = []
+    first = (names[0], grid_field(ds, names[0], path)) if names else None
     for name in names:
-        array = grid_field(ds, name, path)
+        array = grid_field(ds, name, path, like=first)  # dimensions matched to the first field's by name
         rows, cols = np.unravel_index(mine, array.shape)
         points = array.isel(
             {array.dims[0]: xr.DataArray(rows, dims="pattern"), array.dims[1]: xr.DataArray(cols, dims="pattern")}
@@ -612,8 +705,9 @@ def load_patterns(
     for name, count in zip(names, counted_over_ranks(accelerator, outside), strict=True):
         if count:
             low, high = limits[name]
+            unit = units[name].strip() or f"no units attribute: the range of {name} in any of its usual units"
             raise UsageError(
-                f"--data {path}: field {name!r} ({units[name]}) has {count} values outside {low:g} .. {high:g} "
+                f"--data {path}: field {name!r} ({unit}) has {count} values outside {low:g} .. {high:g} "
                 "inside the sea-ice domain: wrong units or a damaged file; if they are real, widen the physical "
                 "ranges with --range-factor (0 turns the check off)"
             )
