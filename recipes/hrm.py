@@ -192,32 +192,32 @@ class OneAugmentationPerPuzzle(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.rows) // self.copies
 
+    def table_rows(self, drawn: torch.Tensor) -> torch.Tensor:
+        """The table rows of (epoch, puzzle) pairs [..., 2]: each puzzle's augmentation picked by keyed randomness."""
+        epochs, puzzles = drawn.unbind(-1)
+        return puzzles * self.copies + keyed_hash(self.seed, AUGMENTATION_PICK, epochs, puzzles) % self.copies
+
     def __getitems__(self, drawn: list[tuple[int, int]]) -> list[dict]:
-        epochs, puzzles = torch.as_tensor(drawn).view(-1, 2).unbind(1)
-        pick = keyed_hash(self.seed, AUGMENTATION_PICK, epochs, puzzles) % self.copies
-        columns = self.rows[(puzzles * self.copies + pick).tolist()]
-        return [{name: column[i] for name, column in columns.items()} for i in range(len(puzzles))]
+        columns = self.rows[self.table_rows(torch.as_tensor(drawn).view(-1, 2)).tolist()]
+        return [{name: column[i] for name, column in columns.items()} for i in range(len(columns["id"]))]
 
     def __getitem__(self, drawn: tuple[int, int]) -> dict:
         return self.__getitems__([drawn])[0]
 
-    # toolkit.device_data: every stored version on the device, the augmentation picked there
+    # toolkit.device_data: every stored version on the device; the rows picked on the host once an epoch
     def device_bytes(self) -> int:
         one_row = stored_columns(self.rows.select(range(1)))
         return len(self.rows) * sum(column.numel() * column.element_size() for column in one_row.values())
 
+    def device_index(self, order: torch.Tensor) -> torch.Tensor:
+        """The epoch's (epoch, puzzle) pairs [batches, B, 2] as table rows [batches, B], on the host at once."""
+        return self.table_rows(order)
+
     def on_device(self, device: torch.device):
-        """Every row of the table on `device` in its stored dtypes (int8 cells); cut(drawn) = the collated batch for
-        [B, 2] (epoch, puzzle) pairs, as the DataLoader gives it (int64, the torch format's)."""
+        """Every row of the table on `device` in its stored dtypes (int8 cells); cut(rows) = the collated batch of
+        those table rows (device_index's), as the DataLoader gives it (int64, the torch format's)."""
         columns = {name: column.to(device) for name, column in stored_columns(self.rows).items()}
-
-        def cut(drawn: torch.Tensor) -> dict:
-            epochs, puzzles = drawn.unbind(1)
-            pick = keyed_hash(self.seed, AUGMENTATION_PICK, epochs, puzzles) % self.copies
-            rows = puzzles * self.copies + pick
-            return {name: column[rows].long() for name, column in columns.items()}
-
-        return cut
+        return lambda rows: {name: column[rows].long() for name, column in columns.items()}
 
 
 def as_tokens(batch: dict) -> dict:

@@ -1,7 +1,9 @@
 """The HRM model's parts against hand-made cases and references: ACT halting on hand-set Q values (max steps, q_halt >
-q_continue in training, never early in evaluation), the carry (halted rows replaced, running rows kept), stablemax
-cross-entropy against a float64 reference, AdamATan2 against adam-atan2 0.0.3's kernel formula, the sparse SignSGD on
-the batch's rows, and that update in a real 2-process gloo run equal to one process with the same global batch."""
+q_continue in training, never early in evaluation), the carry (halted rows replaced, running rows kept), the
+exploration draws (hashed on the host, then per row) equal to keyed_uniform's, stablemax cross-entropy against a
+float64 reference, AdamATan2 against adam-atan2 0.0.3's kernel formula (one parameter and several), the sparse
+SignSGD on the batch's rows (its leaf made once and cleared by zero_grad), and that update in a real 2-process gloo
+run equal to one process with the same global batch."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ import pytest
 import torch
 from conftest import run_recipe
 
-from toolkit.models.hrm import HRM, AdamATan2, PuzzleEmbedding, SparseSignSGD, act_losses, stablemax_cross_entropy
+from toolkit.models.hrm import (
+    HRM,
+    AdamATan2,
+    PuzzleEmbedding,
+    SparseSignSGD,
+    act_losses,
+    fold_key,
+    stablemax_cross_entropy,
+)
+from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform
 
 VOCAB, CELLS, MAX_STEPS = 11, 9, 4
 
@@ -82,6 +93,53 @@ def test_exploration_forces_a_minimum_of_segments_keyed_by_sample():
     assert all(2 <= when <= MAX_STEPS for when in halted_at), halted_at
     again = segments_until_halted(model, explore_key=(0, 11, 1))
     assert again == flags  # keyed: the same coins every time
+
+
+def test_fold_key_is_keyed_hash_bit_for_bit():
+    # The integer keys hashed on the host (keyed_hash_int), the tensor ones folded on: keyed_hash's values exactly,
+    # for any int64 key (negative ones and those past 2**32 included).
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.randint(-2**63, 2**63 - 1, (20000,), generator=generator),
+                      torch.randint(0, 2**33, (20000,), generator=generator),
+                      torch.tensor([0, 1, -1, 2**32 - 1, 2**32, -2**32, 2**63 - 1, -2**63])])
+    for prefix in [(0, 11, 5), (3, 12), (2**40, -7, 1)]:
+        assert torch.equal(fold_key(keyed_hash_int(*prefix), keys), keyed_hash(*prefix, keys))
+        assert torch.equal(fold_key(keyed_hash(*prefix), keys), keyed_hash(*prefix, keys))
+        epochs, puzzles = keys[:100].abs() % 1000, keys[100:200]
+        assert torch.equal(fold_key(fold_key(keyed_hash_int(*prefix), epochs), puzzles),
+                           keyed_hash(*prefix, epochs, puzzles))
+
+
+@pytest.mark.parametrize("probability", [0.0, 0.1, 1 / 3, 0.5, 1.0])
+def test_exploration_draws_are_keyed_uniforms_compared_as_integers(probability):
+    # forward's coin (hash < ceil(p 2**32)) and minimum (2 + (hash (max - 1) >> 32)) decide as keyed_uniform does.
+    model = tiny_model(exploration_prob=probability)
+    ids, key = torch.arange(-5, 50000), (7, 11, 3)
+    coin, draw = fold_key(model.exploration_key(key, "cpu"), ids).unbind()
+    assert torch.equal(coin < model.coin_threshold, keyed_uniform(*key, 0, ids) < probability)
+    assert torch.equal(2 + (draw * (MAX_STEPS - 1) >> 32),
+                       2 + (keyed_uniform(*key, 1, ids) * (MAX_STEPS - 1)).long())
+
+
+def test_a_training_forward_reuses_its_embedding_leaf_and_zero_grad_clears_it():
+    model = tiny_model().train()
+    data = batch()
+    optimizer = SparseSignSGD(model.puzzle_emb, lr=0.5, weight_decay=0.0)
+    leaves = []
+    for _ in range(2):
+        act_losses(model(model.initial_carry(data), data))[0].backward()
+        leaves.append(model.puzzle_emb.batch_rows)
+        assert leaves[-1].grad is not None and torch.equal(model.puzzle_emb.batch_ids, data["puzzle_ids"])
+        optimizer.step()
+        optimizer.zero_grad()
+        assert leaves[-1].grad is None and model.puzzle_emb.batch_ids is None
+    assert leaves[0] is leaves[1]  # made once for the batch size (before a compiled forward, in HRM.__call__)
+    table = model.puzzle_emb.table.clone()
+    optimizer.step()  # no training forward since zero_grad: nothing to update
+    assert torch.equal(model.puzzle_emb.table, table)
+    with torch.no_grad():  # evaluation and no-grad calls read the table, no leaf
+        model.eval()(model.initial_carry(data), data)
+    assert model.puzzle_emb.batch_ids is None
 
 
 def test_carry_replaces_halted_rows_and_keeps_running_ones():
@@ -172,6 +230,28 @@ def test_adam_atan2_is_adam_atan2_0_0_3():
             prm.grad = grads * torch.linspace(-1, 1, 10, dtype=torch.float64).view(2, 5) * (t + 1)
             opt.step()
     assert torch.allclose(scaled, plain, rtol=0, atol=1e-12)
+
+
+def test_adam_atan2_steps_several_parameters_as_each_alone():
+    # The foreach ops and the one atan2 over the concatenated moments: each parameter as the formula has it, sizes
+    # that are no multiple of a vector's width included, with a parameter that has no gradient left untouched.
+    torch.manual_seed(3)
+    shapes = [(3, 7), (5,), (2, 3, 4), (1,), (33,)]
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in shapes]
+    idle = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    lr, (b1, b2), wd = 0.01, (0.9, 0.95), 0.1
+    optimizer = AdamATan2([*params, idle], lr=lr, betas=(b1, b2), weight_decay=wd)
+    state = [(p.detach().flatten().tolist(), [0.0] * p.numel(), [0.0] * p.numel()) for p in params]
+    start_idle = idle.detach().clone()
+    for t in range(1, 5):
+        grads = [torch.randn(p.shape, dtype=torch.float64) * 10.0 ** (t - 2) for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        for p, g, (flat, m, v) in zip(params, grads, state, strict=True):
+            adam_atan2_0_0_3(flat, m, v, g.flatten().tolist(), t, lr, b1, b2, wd)
+            assert p.detach().flatten().tolist() == pytest.approx(flat, rel=1e-12, abs=1e-15), (t, p.shape)
+    assert torch.equal(idle.detach(), start_idle) and idle not in optimizer.state
 
 
 def test_sparse_sign_sgd_updates_only_the_batch_rows_with_summed_duplicates():

@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+
+from toolkit.accelerator import ToolkitAccelerator
 
 CACHE_DIR = "compile-cache"
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -125,7 +126,7 @@ def step_marker(run):
     return torch.compiler.cudagraph_mark_step_begin if run.config.cuda_graphs else None
 
 
-class CompilingAccelerator(Accelerator):
+class CompilingAccelerator(ToolkitAccelerator):
     """The Accelerator of a --compile run: prepare() compiles the model in place (as nn.Module.compile does; inductor)
     before DDP wraps it, instead of Accelerate's dynamo_backend, which compiles the wrapper. Compiling the DDP wrapper
     compiled nothing on torch 2.13: dynamo breaks the graph at DDP's pre-forward logging

@@ -14,6 +14,8 @@ A dataset takes part by two methods (TensorRows, TrafficWindows and HRM's OneAug
     device_bytes() -> int                       what it puts on the device
     on_device(device) -> cut                    its tensors moved there once; cut(index) -> the collated batch, for
                                                 one batch's row of the sampler's index_batches() (on the device)
+    device_index(order) -> order                (optional) the epoch's index batches turned into what cut() takes,
+                                                on the host once an epoch (HRM: (epoch, puzzle) pairs -> table rows)
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class DeviceBatches(DataLoaderStateMixin):
         """This rank's indices of the epoch's batches [batches, batch / world size, ...], on the host (the sampler's
         work): split_batches, rank r takes the r-th equal slice of each global batch."""
         order = index_batches(self.batch_sampler)
+        if hasattr(self.dataset, "device_index"):
+            order = self.dataset.device_index(order)
         share = order.shape[1] // self.world_size
         return order[:, self.rank * share:(self.rank + 1) * share]
 

@@ -40,6 +40,7 @@ from accelerate.utils import (
 )
 
 from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown
+from toolkit.accelerator import ToolkitAccelerator
 from toolkit.config import TrainConfig
 from toolkit.console import write_line
 from toolkit.devices import runs_on_cpu
@@ -215,7 +216,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     if ddp_kwargs:
         handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
     compiling = config.compile or config.cuda_graphs
-    accelerator = (compilation.CompilingAccelerator if compiling else Accelerator)(
+    accelerator = (compilation.CompilingAccelerator if compiling else ToolkitAccelerator)(
         **({"compile_mode": "reduce-overhead"} if config.cuda_graphs else {}),
         cpu=use_cpu,
         mixed_precision=config.mixed_precision,

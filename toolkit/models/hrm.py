@@ -12,6 +12,14 @@ The carry holds each row's state, segment count, halted flag and data. Halted ro
 the same position (their state restarts from the initial state); running rows keep their data and the new batch's
 row there is skipped, as in the reference implementation.
 
+Launches and --compile: the model's call is one graph (tests/test_hrm_compile.py). What needs the host happens in
+HRM.__call__, before the compiled forward: the exploration key's integers (the step among them) are hashed there,
+so no step number reaches the graph (it recompiled every step), and the puzzle-embedding rows' leaf tensor is made
+there once (made inside the forward, it broke the graph). The model computes what it did, operation for operation
+(tests/test_hrm_reference.py), in fewer launches: q and k rotated together, linear layers on 2-D views, the
+embedding reused by the target-Q segment, the exploration draws compared as integers; so do the losses (the metrics
+summed as one tensor) and AdamATan2 (atan2 in one launch).
+
 Also here: stablemax cross-entropy (float64), the Q-learning losses (`act_losses`), AdamATan2 and the sparse
 puzzle-embedding table with its SignSGD update (`PuzzleEmbedding`, `SparseSignSGD`).
 """
@@ -24,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.randomness import keyed_uniform
+from toolkit.randomness import _MASK32, _mix32, keyed_hash_int
 
 IGNORE_LABEL = -100
 
@@ -50,13 +58,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(trunc_normal_(torch.empty(out_features, in_features), 1.0 / math.sqrt(in_features)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        # On the 2-D view: the same mm a 3-D input folds into, without matmul's reshape of its result (an op each)
+        return F.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+_AT_LEAST_FLOAT32 = {dtype: torch.promote_types(dtype, torch.float32)
+                     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     """float32 for half precisions and float32, float64 for float64 (the reference's float32 casts, which a float64
-    check must not round)."""
-    return torch.promote_types(dtype, torch.float32)
+    check must not round). Looked up: torch.promote_types is an op dispatched at every call."""
+    return _AT_LEAST_FLOAT32.get(dtype) or torch.promote_types(dtype, torch.float32)
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -67,20 +80,22 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    """x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1). Computed as x cos + roll(x) (-sin1, sin2): the
+    same products (a negation is exact, on either factor), one roll in place of a negation, two slices and a cat."""
+
     def __init__(self, head_dim: int, positions: int, base: float = 10000.0):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
+        sin, half = angles.sin(), head_dim // 2
         self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("signed_sin", torch.cat([-sin[:, :half], sin[:, half:]], dim=-1), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, heads, L, head_dim]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., L, head_dim]
         # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
         dtype, x = x.dtype, x.to(self.cos.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * self.cos + rotated * self.sin).to(dtype)
+        return (x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin).to(dtype)
 
 
 class Attention(nn.Module):
@@ -92,9 +107,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
         batch, length, hidden = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(batch, length, 3, self.heads, hidden // self.heads)
+        # Split where q, k and v lie side by side: their gradients are then joined into qkv's layout directly (split
+        # across the permuted dim, qkv's gradient was copied once more to be contiguous). q and k are rotated
+        # together: the same elementwise operations, half the launches.
         if rotary is not None:
-            q, k = rotary(q), rotary(k)
+            qk, v = qkv.split([2, 1], dim=2)
+            (q, k), v = rotary(qk.permute(2, 0, 3, 1, 4)).unbind(), v.squeeze(2).transpose(1, 2)
+        else:
+            q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=False)
         return self.out(attended.transpose(1, 2).reshape(batch, length, hidden))
 
@@ -152,34 +173,45 @@ class ReasoningModule(nn.Module):
 class PuzzleEmbedding(nn.Module):
     """A table of per-puzzle embeddings (a buffer, zero-initialised), trained only on the rows in the batch.
 
-    In training, forward copies the batch's rows into a leaf tensor that takes the gradient (`batch_rows`, with
-    `batch_ids`); SparseSignSGD reads both. The table is not a Parameter, so DDP neither syncs nor broadcasts it:
-    every rank applies the same update to it (start_run(..., ddp_kwargs={"broadcast_buffers": False}))."""
+    In training (with gradients), forward copies the batch's rows into a leaf tensor that takes the gradient
+    (`batch_rows`, with `batch_ids`); SparseSignSGD reads both and its zero_grad clears them. The leaf is made once
+    per batch size (`leaf_for`, which HRM.__call__ calls before a compiled forward: a leaf made inside the graph
+    broke it) and filled in place under no_grad, as the reference's local_weights buffer. The table is not a
+    Parameter, so DDP neither syncs nor broadcasts it: every rank applies the same update to it
+    (start_run(..., ddp_kwargs={"broadcast_buffers": False}))."""
 
     def __init__(self, num_ids: int, dim: int):
         super().__init__()
         self.register_buffer("table", torch.zeros(num_ids, dim))
         self.batch_rows: torch.Tensor | None = None
-        self.batch_ids: torch.Tensor | None = None
+        self.batch_ids: torch.Tensor | None = None  # None: no training forward since the last zero_grad
+
+    def leaf_for(self, rows: int) -> torch.Tensor:
+        """The leaf tensor [rows, dim] that takes the batch rows' gradient, made when there is none of that shape."""
+        leaf, table = self.batch_rows, self.table
+        if leaf is None or leaf.shape[0] != rows or leaf.dtype != table.dtype or leaf.device != table.device:
+            self.batch_rows = leaf = torch.zeros(rows, table.shape[1], dtype=table.dtype, device=table.device,
+                                                 requires_grad=True)
+            # Filled in place by every training forward: for --cuda-graphs, an input that keeps its address (a
+            # graph may then mutate it, as it does parameters and buffers)
+            torch._dynamo.mark_static_address(leaf)
+        return leaf
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table[ids]
-        if self.training and torch.is_grad_enabled():
-            rows = rows.detach().requires_grad_(True)
-            self.batch_rows, self.batch_ids = rows, ids
+        if not (self.training and torch.is_grad_enabled()):
+            return self.table[ids]
+        rows = self.leaf_for(len(ids))
+        with torch.no_grad():
+            rows.copy_(self.table[ids])
+        self.batch_ids = ids
         return rows
 
 
 def same_id_groups(ids: torch.Tensor) -> torch.Tensor:
-    """For each position, a group number shared by the positions holding the same id (0 .. distinct - 1, in sorted
-    id order): torch.unique's inverse, but of a size known in advance (unique's is read on the host: a sync)."""
-    order = torch.sort(ids, stable=True).indices
-    sorted_ids = ids[order]
-    starts = torch.ones_like(sorted_ids, dtype=torch.int64)
-    starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
-    group = torch.empty_like(order)
-    group[order] = torch.cumsum(starts, 0) - 1
-    return group
+    """For each position, a group number shared by the positions holding the same id, and by no other: where the id
+    first occurs in the sorted ids (in 0 .. len - 1). Like torch.unique's inverse, but of a size known in advance
+    (unique's is read on the host: a sync), in two launches."""
+    return torch.searchsorted(torch.sort(ids).values, ids)
 
 
 class SparseSignSGD:
@@ -198,7 +230,7 @@ class SparseSignSGD:
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
         rows, ids = self.embedding.batch_rows, self.embedding.batch_ids
-        if rows is None:
+        if ids is None:
             return
         grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
         grads, all_ids = self.gather(grad.float().contiguous()), self.gather(ids.contiguous())
@@ -210,7 +242,9 @@ class SparseSignSGD:
         table[all_ids] = updated
 
     def zero_grad(self) -> None:
-        self.embedding.batch_rows = self.embedding.batch_ids = None
+        if self.embedding.batch_rows is not None:
+            self.embedding.batch_rows.grad = None
+        self.embedding.batch_ids = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,15 +270,18 @@ class AdamATan2(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter with a gradient, as foreach ops over each group's parameters that share a
-        step count (the arithmetic, element by element, of the per-parameter formula above). The step count is a
-        Python number in the state: reading a tensor's on the host was a sync per parameter on a GPU."""
+        step count, dtype and device (the arithmetic, element by element, of the per-parameter formula above); atan2,
+        which has no foreach form, runs once over the moments concatenated (it was a launch per parameter; on a CPU
+        an element's atan2 may differ from before in the last bit, as torch's vectorised atan2 and its scalar loop
+        for a tensor's last elements can). The step count is a Python number in the state: reading a tensor's on the
+        host was a sync per parameter on a GPU."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
-            by_step: dict[float, list] = {}
+            by_step: dict[tuple, list] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -254,17 +291,17 @@ class AdamATan2(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] = float(state["step"]) + 1  # (a checkpoint of an older version holds a tensor)
-                by_step.setdefault(state["step"], []).append(p)
-            for step, params in by_step.items():
+                by_step.setdefault((state["step"], p.dtype, p.device), []).append(p)
+            for (step, _, _), params in by_step.items():
                 grads = [p.grad for p in params]
                 ms = [self.state[p]["exp_avg"] for p in params]
                 vs = [self.state[p]["exp_avg_sq"] for p in params]
                 torch._foreach_mul_(params, 1 - lr * decay)
                 torch._foreach_lerp_(ms, grads, 1 - beta1)
                 torch._foreach_lerp_(vs, torch._foreach_mul(grads, grads), 1 - beta2)
-                denoms = torch._foreach_sqrt(vs)
-                torch._foreach_div_(denoms, math.sqrt(1 - beta2**step))
-                updates = [torch.atan2(m, d) for m, d in zip(ms, denoms, strict=True)]
+                denoms = torch.cat([v.reshape(-1) for v in vs]).sqrt_().div_(math.sqrt(1 - beta2**step))
+                updates = torch.cat([m.reshape(-1) for m in ms]).atan2_(denoms).split([p.numel() for p in params])
+                updates = [u.view_as(p) for u, p in zip(updates, params, strict=True)]
                 torch._foreach_add_(params, updates, alpha=-lr / (1 - beta1**step))
         return loss
 
@@ -275,8 +312,9 @@ class AdamATan2(torch.optim.Optimizer):
 
 
 def stablemax_s(x: torch.Tensor) -> torch.Tensor:
-    """s(x) = 1 / (1 - x) for x < 0, x + 1 otherwise (positive, monotone, linear growth)."""
-    return torch.where(x < 0, 1.0 / (1.0 - x + 1e-30), x + 1.0)
+    """s(x) = 1 / (1 - x) for x < 0, x + 1 otherwise (positive, monotone, linear growth). (reciprocal: `1.0 / t`
+    is reciprocal(t) * 1.0, the same values in two launches)"""
+    return torch.where(x < 0, torch.reciprocal(1.0 - x + 1e-30), x + 1.0)
 
 
 def log_stablemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -284,15 +322,18 @@ def log_stablemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.log(s / s.sum(dim=dim, keepdim=True))
 
 
-def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL):
-    """Per-position -log stablemax(logits)[label] in float64 (0 where label == ignore_index)."""
+def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL,
+                            valid: torch.Tensor | None = None):
+    """Per-position -log stablemax(logits)[label] in float64 (0 where label == ignore_index; `valid`, if given, is
+    labels != ignore_index)."""
     logprobs = log_stablemax(logits.to(torch.float64))
-    valid = labels != ignore_index
+    valid = labels != ignore_index if valid is None else valid
     picked = logprobs.gather(-1, torch.where(valid, labels, 0).to(torch.long).unsqueeze(-1)).squeeze(-1)
-    return -torch.where(valid, picked, torch.zeros_like(picked))
+    return -torch.where(valid, picked, 0.0)
 
 
-def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL):
+def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_LABEL,
+                          valid: torch.Tensor | None = None):  # (valid: LOSSES' shared signature; not needed here)
     flat = F.cross_entropy(logits.to(at_least_float32(logits.dtype)).flatten(0, -2), labels.to(torch.long).flatten(),
                            ignore_index=ignore_index, reduction="none")
     return flat.view(labels.shape)
@@ -301,42 +342,56 @@ def softmax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_ind
 LOSSES = {"stablemax": stablemax_cross_entropy, "softmax": softmax_cross_entropy}
 
 
+SUMS = ("rows", "lm_loss", "q_halt_loss", "q_continue_loss", "count", "token_correct", "blank_correct",
+        "blank_cells", "exact_correct", "q_halt_correct", "segments")  # act_losses' sums, in this order
+
+
 def act_losses(outputs: dict, loss: str = "stablemax") -> tuple[torch.Tensor, dict]:
     """(loss summed over this rank's rows, {name: local sum}): the lm loss (per-row mean over labelled cells,
     every row every segment) + 0.5 (BCE(q_halt, row fully correct) + BCE(q_continue, target)); metrics as sums
-    over the rows that halted this segment ("count" of them), so they can be summed over ranks and steps."""
+    over the rows that halted this segment ("count" of them), so they can be summed over ranks and steps.
+
+    The sums (SUMS) are the elements of one float64 tensor: the per-row metrics summed over the valid rows in one
+    reduction and joined to the row count and the three losses in one cat, not an op or two per name (boolean
+    indexing, which they used, also reads the mask's count on the host on a GPU: a sync)."""
     labels, logits, halted = outputs["labels"], outputs["logits"], outputs["halted"]
     mask = labels != IGNORE_LABEL
     counts = mask.sum(-1)
     divisor = counts.clamp_min(1).unsqueeze(-1)
     predicted = logits.argmax(-1)
     correct = mask & (predicted == labels)
-    row_correct = correct.sum(-1) == counts
-    blanks = outputs["blanks"] & mask
-    lm_loss = (LOSSES[loss](logits, labels) / divisor).sum()
+    correct_counts = correct.sum(-1)
+    row_correct = correct_counts == counts
+    lm_loss = (LOSSES[loss](logits, labels, valid=mask) / divisor).sum()
     q_halt_loss = F.binary_cross_entropy_with_logits(outputs["q_halt"], row_correct.to(outputs["q_halt"].dtype),
                                                      reduction="sum")
-    q_continue_loss = torch.zeros_like(q_halt_loss)
     if outputs.get("target_q_continue") is not None:
         q_continue_loss = F.binary_cross_entropy_with_logits(outputs["q_continue"], outputs["target_q_continue"],
                                                              reduction="sum")
+    else:
+        q_continue_loss = torch.zeros_like(q_halt_loss)
     total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
-    valid = halted & (counts > 0)
     with torch.no_grad():
-        sums = {
-            "rows": torch.tensor(float(len(labels)), device=labels.device),
-            "lm_loss": lm_loss.detach().double(),
-            "q_halt_loss": q_halt_loss.detach().double(),
-            "q_continue_loss": q_continue_loss.detach().double(),
-            "count": valid.sum().double(),
-            "token_correct": torch.where(valid, correct.sum(-1) / divisor.squeeze(-1), 0).sum().double(),
-            "blank_correct": (correct & blanks)[valid].sum().double(),
-            "blank_cells": blanks[valid].sum().double(),
-            "exact_correct": (valid & row_correct).sum().double(),
-            "q_halt_correct": (valid & ((outputs["q_halt"] >= 0) == row_correct)).sum().double(),
-            "segments": torch.where(valid, outputs["steps"], 0).sum().double(),
-        }
-    return total, sums
+        valid = halted & (counts > 0)
+        blanks = outputs["blanks"] & mask
+        per_row = torch.stack([valid, correct_counts / divisor.squeeze(-1), (correct & blanks).sum(-1),
+                               blanks.sum(-1), row_correct, (outputs["q_halt"] >= 0) == row_correct,
+                               outputs["steps"]], dim=-1)
+        metrics = (per_row * valid.unsqueeze(-1)).sum(0, dtype=torch.float64)  # finite and >= 0: x 0 = 0
+        losses = [part.detach().view(1) for part in (lm_loss, q_halt_loss, q_continue_loss)]
+        sums = torch.cat([_constant(float(len(labels)), labels.device), *losses, metrics])
+    return total, dict(zip(SUMS, sums.unbind(), strict=True))
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float64 [1] tensor of this value on this device, made once (not a host-to-device copy every step)."""
+    key = (value, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor([value], dtype=torch.float64, device=device)
+    return _CONSTANTS[key]
 
 
 def ratios(sums: dict, prefix: str = "train") -> dict:
@@ -362,12 +417,21 @@ def ratios(sums: dict, prefix: str = "train") -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 
+def fold_key(prefix: torch.Tensor | int, key: torch.Tensor) -> torch.Tensor:
+    """keyed_hash(*keys, key) from prefix = keyed_hash(*keys) or keyed_hash_int(*keys) (broadcasting with key):
+    keyed_hash's step for one key, bit for bit, so the integer keys before it are hashed on the host, not in a dozen
+    launches each. keyed_hash's prefix ^ (key & M) ^ ((key >> 32) & M) * C & M, as (prefix ^ key ^ (key >> 32) C) & M:
+    & M distributes over ^, prefix < 2**32, and (a & M) C = a C modulo 2**32 (|a C| < 2**61, no overflow)."""
+    key = key.to(torch.int64)
+    return _mix32((prefix ^ key ^ (key >> 32) * 0x27D4EB2F) & _MASK32)
+
+
 class HRM(nn.Module):
     """forward(carry, batch, explore) -> outputs; `initial_carry(batch_size)` makes the first carry.
 
     batch: {"inputs" [B, seq] tokens, "labels" [B, seq], "puzzle_ids" [B], "ids" [B] sample ids}.
     explore_key: (seed, purpose, step), training only: each row's exploration coin and forced minimum of
-    2..halt_max_steps segments are keyed_uniform(*explore_key, ..., sample id), the same on any rank.
+    2..halt_max_steps segments are keyed_uniform(*explore_key, 0 or 1, sample id), the same on any rank.
     outputs: logits, q_halt, q_continue, target_q_continue (training), steps, halted, labels, blanks and the
     new carry (all detached), which the caller keeps for the next batch.
     """
@@ -381,6 +445,8 @@ class HRM(nn.Module):
         self.seq_len, self.hidden = seq_len, hidden
         self.h_cycles, self.l_cycles = h_cycles, l_cycles
         self.halt_max_steps, self.exploration_prob = halt_max_steps, exploration_prob
+        # keyed_uniform(...) < p <=> its hash (the uniform x 2**32, an integer) < ceil(p 2**32): exact
+        self.coin_threshold = math.ceil(exploration_prob * 2**32)
         self.puzzle_len = 1  # one puzzle-embedding token prepended (puzzle_emb_ndim = hidden)
         total = seq_len + self.puzzle_len
         self.embed_scale = math.sqrt(hidden)
@@ -413,10 +479,9 @@ class HRM(nn.Module):
             x = 0.707106781 * (x + self.embed_pos.to(x.dtype))
         return self.embed_scale * x
 
-    def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, inputs: torch.Tensor, puzzle_ids: torch.Tensor):
-        """(z_h, z_l, logits [B, seq, vocab], q [B, 2] float32): H_cycles x L_cycles updates, the last L and H
-        update with gradient (one-step gradient)."""
-        x = self.embed(inputs, puzzle_ids)
+    def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor, logits: bool = True):
+        """(z_h, z_l, logits [B, seq, vocab] (None without `logits`), q [B, 2] float32) from the embedded input x:
+        H_cycles x L_cycles updates, the last L and H update with gradient (one-step gradient)."""
         with torch.no_grad():
             for h in range(self.h_cycles):
                 for l_step in range(self.l_cycles):
@@ -426,7 +491,7 @@ class HRM(nn.Module):
                     z_h = self.h_level(z_h, z_l, self.rotary)
         z_l = self.l_level(z_l, z_h + x, self.rotary)
         z_h = self.h_level(z_h, z_l, self.rotary)
-        logits = self.lm_head(z_h)[:, self.puzzle_len:]
+        logits = self.lm_head(z_h)[:, self.puzzle_len:] if logits else None
         q = self.q_head(z_h[:, 0])
         q = q.to(at_least_float32(q.dtype))
         return z_h, z_l, logits, q
@@ -444,7 +509,23 @@ class HRM(nn.Module):
             **{f"data_{k}": torch.zeros_like(v) for k, v in batch.items()},
         }
 
-    def forward(self, carry: dict, batch: dict, explore_key: tuple[int, ...] | None = None) -> dict:
+    def exploration_key(self, explore_key: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+        """[2, 1] int64: keyed_hash_int(*explore_key, purpose) for purpose 0 (the coin) and 1 (the minimum), on the
+        host; forward folds each row's sample id in (`fold_key`), giving keyed_hash(*explore_key, purpose, id)."""
+        return torch.tensor([[keyed_hash_int(*explore_key, 0)], [keyed_hash_int(*explore_key, 1)]], device=device)
+
+    def __call__(self, carry: dict, batch: dict, explore_key: tuple[int, ...] | None = None) -> dict:
+        """Module.__call__ with the host's part done first, outside a compiled forward (--compile compiles what
+        Module.__call__ calls): the exploration key hashed into a tensor (a step number in the graph recompiled it
+        every step) and the puzzle-embedding rows' leaf made for this batch size (made in the graph, it broke it)."""
+        if explore_key is not None and not isinstance(explore_key, torch.Tensor):
+            explore_key = self.exploration_key(explore_key, carry["halted"].device)
+        if self.training and torch.is_grad_enabled():
+            self.puzzle_emb.leaf_for(len(carry["halted"]))
+        return super().__call__(carry, batch, explore_key)
+
+    def forward(self, carry: dict, batch: dict, explore_key: torch.Tensor | tuple[int, ...] | None = None) -> dict:
+        """explore_key: (seed, purpose, step), or exploration_key's tensor of it (what __call__ passes)."""
         halted = carry["halted"]
         rows = halted.view(-1, 1, 1)
         z_h = torch.where(rows, self.h_init.to(carry["z_h"].dtype), carry["z_h"])
@@ -453,8 +534,9 @@ class HRM(nn.Module):
         data = {k: torch.where(halted.view(-1, *[1] * (v.dim() - 1)), v, carry[f"data_{k}"])
                 for k, v in batch.items()}
 
-        z_h, z_l, logits, q = self.segment(z_h, z_l, data["inputs"], data["puzzle_ids"])
-        q_halt, q_continue = q[:, 0], q[:, 1]
+        x = self.embed(data["inputs"], data["puzzle_ids"])
+        z_h, z_l, logits, q = self.segment(z_h, z_l, x)
+        q_halt, q_continue = q.unbind(-1)
         target_q_continue = None
         with torch.no_grad():
             steps = steps + 1
@@ -463,12 +545,16 @@ class HRM(nn.Module):
             if self.training and self.halt_max_steps > 1:
                 new_halted = new_halted | (q_halt > q_continue)
                 if explore_key is not None:  # coins of the rows' samples: the same on any rank, any process count
-                    coin = keyed_uniform(*explore_key, 0, data["ids"])
-                    min_steps = 2 + (keyed_uniform(*explore_key, 1, data["ids"]) * (self.halt_max_steps - 1)).long()
-                    minimum = torch.where(coin < self.exploration_prob, min_steps.to(steps.dtype), 0)
+                    if not isinstance(explore_key, torch.Tensor):  # forward called directly, not through __call__
+                        explore_key = self.exploration_key(explore_key, halted.device)
+                    # keyed_uniform(*key, 0, id) < p and 2 + floor(keyed_uniform(*key, 1, id) (max - 1)), computed
+                    # on the hashes (the uniforms x 2**32, exact integers): the same decisions
+                    coin, draw = fold_key(explore_key, data["ids"]).unbind()
+                    minimum = torch.where(coin < self.coin_threshold, 2 + (draw * (self.halt_max_steps - 1) >> 32), 0)
                     new_halted = new_halted & (steps >= minimum)
                 # Q-learning target for "continue": the next segment's value, bootstrapped without a target network
-                _, _, _, next_q = self.segment(z_h, z_l, data["inputs"], data["puzzle_ids"])
+                # (the same embedded input: computed again, it was the same values)
+                _, _, _, next_q = self.segment(z_h, z_l, x, logits=False)
                 target_q_continue = torch.sigmoid(torch.where(last, next_q[:, 0], next_q.max(dim=-1).values))
         new_carry = {"z_h": z_h.detach(), "z_l": z_l.detach(), "steps": steps, "halted": new_halted,
                      **{f"data_{k}": v for k, v in data.items()}}
