@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, prepare_movielens
+from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, most_touched, prepare_movielens
 from toolkit.data.prepared import require_batch_fits, require_path
 from toolkit.device_data import device_batches
 from toolkit.devices import pin_memory
@@ -160,17 +160,20 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     accelerator = run.accelerator
 
     # ---- data: prepared and cached by the main process, loaded from the cache by the others ----------------
-    prepared = main_process_first(run, lambda: prepare_movielens(cfg.dataset, cfg.data_path,
-                                                                 cfg.cache_dir.expanduser()))
+    def check_eval_negatives(num_items: int, most_touched: int) -> None:
+        if cfg.eval_negatives > num_items - most_touched:
+            raise UsageError(
+                f"--eval-negatives {cfg.eval_negatives} is more than the {num_items - most_touched} items that "
+                f"every user left untouched ({num_items} items; the most active user touched {most_touched}); "
+                f"give at most {num_items - most_touched}"
+            )
+
+    prepared = main_process_first(run, lambda: prepare_movielens(
+        cfg.dataset, cfg.data_path, cfg.cache_dir.expanduser(),
+        check=lambda ds, meta: check_eval_negatives(meta["num_items"], most_touched(ds))))  # before it is cached
     sequences, meta = prepared
     split = leave_one_out(sequences, meta, cfg.maxlen)
-    most_touched = int(split.touched.sum(dim=1).max())
-    if cfg.eval_negatives > meta["num_items"] - most_touched:
-        raise UsageError(
-            f"--eval-negatives {cfg.eval_negatives} is more than the {meta['num_items'] - most_touched} items that "
-            f"every user left untouched ({meta['num_items']} items; the most active user touched {most_touched}); "
-            f"give at most {meta['num_items'] - most_touched}"
-        )
+    check_eval_negatives(meta["num_items"], int(split.touched.sum(dim=1).max()))  # a build found in the cache
     prepared.describe(run, users=meta["num_users"], items=meta["num_items"])
     touched = split.touched.to(accelerator.device)  # evaluation: candidates the user never touched at all
     train_negatives = UntouchedItems(split.train_touched.to(accelerator.device))  # outside the training items

@@ -42,6 +42,17 @@ def _dir(case_dir):
     return str(case_dir / "empty")
 
 
+def _dangling_link(case_dir):
+    """A symbolic link whose target does not exist (it once gave "File exists; complete checkpoints are intact")."""
+    (case_dir / "run").symlink_to(case_dir / "gone")
+    return str(case_dir / "run")
+
+
+def _new(name):
+    """A path in the case's directory that does not exist yet (nothing may create it)."""
+    return lambda case_dir: str(case_dir / name)
+
+
 GOOD_ROWS = "".join(f"{u}\t{i}\t4\t{1000 + 10 * u + i}\n" for u in range(1, 6) for i in range(1, 30))
 
 # (id, flags, fragments the one error line must contain). A callable in the flags makes a file/dir in the case's
@@ -81,6 +92,11 @@ BAD_INPUTS = [
     ("mhc-streams-zero", ["--mhc-streams", "0"], ["--mhc-streams", "0"]),
     ("eval-negatives-zero", ["--eval-negatives", "0"], ["--eval-negatives", "0"]),
     ("eval-negatives-above-catalogue", ["--eval-negatives", "5000"], ["--eval-negatives 5000", "at most"]),
+    (  # refused before a new --cache-dir gets the processed data (it was written, then refused)
+        "eval-negatives-above-catalogue-new-cache",
+        ["--eval-negatives", "29", "--data-path", _file("u.data", GOOD_ROWS), "--cache-dir", _new("cache")],
+        ["--eval-negatives 29", "give at most 0"],
+    ),
     ("max-steps-zero", ["--max-steps", "0"], ["--max-steps", "0"]),
     ("checkpoint-every-negative", ["--checkpoint-every", "-1"], ["--checkpoint-every", "-1"]),
     ("keep-checkpoints-zero", ["--keep-checkpoints", "0"], ["--keep-checkpoints", "0"]),
@@ -103,6 +119,11 @@ BAD_INPUTS = [
     ("output-dir-empty", ["--output-dir", ""], ["--output-dir", "current directory"]),
     ("output-dir-is-a-file", ["--output-dir", _file("taken", "a file")], ["--output-dir", "is a file"]),
     ("output-dir-unwritable", ["--output-dir", "/proc/self/run"], ["--output-dir", "/proc/self/run"]),
+    ("output-dir-dangling-link", ["--output-dir", _dangling_link], ["--output-dir", "symbolic link", "does not exist"]),
+    ("output-dir-newline", ["--output-dir", "runs/a\nb"], ["--output-dir 'runs/a\\nb'", "control character"]),
+    ("cache-dir-escape", ["--cache-dir", "cache\x1b[0m"], ["--cache-dir", "control character"]),
+    ("run-name-tab", ["--run-name", "a\tb"], ["--run-name", "control character"]),
+    ("resume-checkpoint-is-a-file", ["--resume-from", _file("step_3", "x")], ["--resume-from", "not a directory"]),
     ("resume-missing", ["--resume-from", "/no/such/run"], ["--resume-from", "/no/such/run", "does not exist"]),
     ("resume-not-a-checkpoint", ["--resume-from", _dir], ["--resume-from", "not a checkpoint"]),
     ("ml-1m-without-path", ["--dataset", "ml-1m"], ["--dataset ml-1m", "--data-path"]),

@@ -48,6 +48,7 @@ seen = {"world": accelerator.num_processes,
         "stop_on_rank_1": agree(accelerator, stop=rank == 1).__dict__,
         "diverged_on_rank_0": agree(accelerator, diverged=rank == 0).__dict__,
         "preempted_on_both": agree(accelerator, preempted=True).__dict__,
+        "terminated_on_rank_1": agree(accelerator, preempted=rank == 1, terminated=rank == 1).__dict__,
         "nothing": agree(accelerator).__dict__}
 json.dump(seen, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
 """
@@ -64,10 +65,12 @@ def test_two_ranks_agree_on_what_either_one_saw(tmp_path):
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0] == seen[1]
     assert seen[0]["world"] == 2
-    assert seen[0]["stop_on_rank_1"] == {"preempted": False, "diverged": False, "stop": True}
-    assert seen[0]["diverged_on_rank_0"] == {"preempted": False, "diverged": True, "stop": False}
-    assert seen[0]["preempted_on_both"] == {"preempted": True, "diverged": False, "stop": False}
-    assert seen[0]["nothing"] == {"preempted": False, "diverged": False, "stop": False}
+    flags = {"preempted": False, "diverged": False, "stop": False, "terminated": False}
+    assert seen[0]["stop_on_rank_1"] == {**flags, "stop": True}
+    assert seen[0]["diverged_on_rank_0"] == {**flags, "diverged": True}
+    assert seen[0]["preempted_on_both"] == {**flags, "preempted": True}
+    assert seen[0]["terminated_on_rank_1"] == {**flags, "preempted": True, "terminated": True}  # SIGTERM on one rank
+    assert seen[0]["nothing"] == flags
 
 
 def test_the_keeper_prunes_to_keep_checkpoints_and_spares_the_best(tmp_path):

@@ -1,5 +1,6 @@
 """Checkpoint files: atomic saves, what `auto` picks, what pruning may delete."""
 
+import errno
 import shutil
 
 import pytest
@@ -122,3 +123,66 @@ def test_a_prune_renames_before_it_deletes(tmp_path, accelerator, monkeypatch):
         checkpoint.prune_checkpoints(accelerator, tmp_path, keep=2, protect=set())
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == [".step_1.pruning", "step_2", "step_3"]  # never a step_1 that looks like a checkpoint
+
+
+def test_set_aside_copies_are_pruned_with_the_checkpoints(tmp_path, accelerator, monkeypatch):
+    """A save of a step that exists keeps the old one as step_N.replaced-<time>; the prune keeps the newest
+    --keep-checkpoints of those copies too (they once were never deleted)."""
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    stamps = iter(f"20250101-00000{i}" for i in range(10))
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda _: next(stamps))
+    for step in (2, 4, 4, 4, 4):  # three resumes from step 2 that saved step 4 again
+        _save(accelerator, tmp_path, step, model)
+    (tmp_path / "checkpoints" / "step_6").write_text("a file where a checkpoint belongs")
+    _save(accelerator, tmp_path, 6, model)  # sets the file aside as well
+    copies = [p.name for p in checkpoint.replaced_copies(tmp_path)]
+    assert copies == ["step_4.replaced-20250101-000000", "step_4.replaced-20250101-000001",
+                      "step_4.replaced-20250101-000002", "step_6.replaced-20250101-000003"]
+    checkpoint.prune_checkpoints(accelerator, tmp_path, keep=2, protect=set())
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_4", "step_4.replaced-20250101-000002", "step_6", "step_6.replaced-20250101-000003"]
+
+
+def test_a_checkpoint_that_is_not_a_directory_is_named(tmp_path, accelerator):
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    for step in (2, 4):
+        _save(accelerator, tmp_path, step, model)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_4")
+    (tmp_path / "checkpoints" / "step_4").write_text("not a checkpoint")  # a directory replaced by a file
+    said = []
+    assert checkpoint.newest_intact(tmp_path, say=said.append).name == "step_2"
+    assert said == [f"warning: checkpoint {tmp_path / 'checkpoints' / 'step_4'} is skipped: it is not a directory (a "
+                    "checkpoint is a directory step_N holding a COMPLETE marker); resuming from step_2 instead"]
+    with pytest.raises(UsageError, match="step_4 is not a directory, so not a checkpoint") as refused:
+        checkpoint.resolve_checkpoint_path(tmp_path / "checkpoints" / "step_4")
+    assert "interrupted" not in str(refused.value)  # it once said "its save was interrupted"
+
+
+def test_a_save_that_fails_after_its_rename_puts_everything_back(tmp_path, accelerator, monkeypatch):
+    """The disk fills between the rename and the COMPLETE marker: the new step_N goes, the old one returns."""
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    old = _save(accelerator, tmp_path, 4, model)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "_fsync_dir", full)
+    with pytest.raises(checkpoint.RunFailed, match="no space left on the disk at .* while writing"):
+        _save(accelerator, tmp_path, 4, model)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert checkpoint.damage_of(old) is None
+
+
+def test_a_checkpoint_records_the_settings_config_json_must_keep(tmp_path, accelerator):
+    model = accelerator.prepare(torch.nn.Linear(3, 2))
+    settings = {"config": {"lr": 0.001, "seed": 0, "max_steps": 4, "preset": "tiny"}, "data": "toy-512"}
+    path = checkpoint.save_checkpoint(accelerator, tmp_path, 4, {"global_step": 4, checkpoint.SETTINGS: settings})
+    config_json = {"config": {**settings["config"], "max_steps": 8}, "data": {"fingerprint": "toy-512"}}
+    assert checkpoint.settings_changes(path, config_json) == []  # --max-steps may change at a resume
+    config_json["config"]["lr"] = 0.1
+    config_json["data"]["fingerprint"] = "toy-1024"
+    assert checkpoint.settings_changes(path, config_json) == ["--lr 0.001 -> 0.1",
+                                                              "data fingerprint 'toy-512' -> 'toy-1024'"]
+    older = _save(accelerator, tmp_path, 2, model)  # an older toolkit's checkpoint: no record, nothing to compare
+    assert checkpoint.settings_changes(older, config_json) is None

@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CONFIGS, ROOT, TOY, recipe_env, run_recipe, start_machines
+from conftest import CONFIGS, ROOT, TOY, recipe_env, run_preloaded, run_recipe, start_machines
 
 from toolkit import checkpoint
 from toolkit.verify import verify_run
@@ -72,6 +73,47 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_path(finished, d
     warning = [line for line in auto.stdout.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warning) == 1 and name in warning[0] and "resuming from step_6 instead" in warning[0], auto.stdout
     assert "resumed at epoch 1, batch 0, step 6" in auto.stdout
+
+
+def test_a_checkpoint_replaced_by_a_file_is_named_by_auto_and_by_path(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    newest = out / "checkpoints" / "step_9"
+    shutil.rmtree(newest)
+    newest.write_text("not a checkpoint\n")
+
+    explicit = run_preloaded([*ARGS, "--max-steps", "12", "--resume-from", str(newest)], recipe=TOY, cwd=tmp_path)
+    assert explicit.returncode == 2 and len(error_lines(explicit)) == 1, explicit.stderr
+    assert f"--resume-from {newest} is not a directory" in error_lines(explicit)[0]
+    assert "interrupted" not in error_lines(explicit)[0]  # it once said "its save was interrupted"
+
+    auto = run_preloaded([*ARGS, "--max-steps", "12", "--output-dir", str(out), "--resume-from", "auto"], recipe=TOY,
+                         cwd=tmp_path)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    warning = [line for line in auto.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    assert warning == [f"warning: checkpoint {newest} is skipped: it is not a directory (a checkpoint is a directory "
+                       "step_N holding a COMPLETE marker); resuming from step_6 instead"], auto.stdout  # once silent
+    assert "resumed at epoch 1, batch 0, step 6" in auto.stdout
+    # the file is kept aside when step 9 is saved again, and pruned like a checkpoint
+    assert [p.read_text() for p in checkpoint.replaced_copies(out)] == ["not a checkpoint\n"]
+    assert verify_run(out) == []
+
+
+def test_config_json_edited_between_lives_is_refused_and_fails_verify(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    config = json.loads((out / "config.json").read_text())
+    config["config"]["lr"] = 0.1  # the toy trains at 0.05
+    (out / "config.json").write_text(json.dumps(config))
+    assert any("config.json differs from the settings step_3, step_6, step_9 recorded (--lr 0.05 -> 0.1)" in p
+               for p in verify_run(out)), verify_run(out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    result = run_preloaded([*ARGS, "--max-steps", "12", "--output-dir", str(out), "--resume-from", "auto", "--lr",
+                            "0.1"], recipe=TOY, cwd=tmp_path)  # the flags agree with the edited config.json
+    assert result.returncode == 2 and len(error_lines(result)) == 1, result.stderr
+    assert f"cannot resume from {out / 'checkpoints' / 'step_9'}" in error_lines(result)[0]
+    assert "differs from the settings that checkpoint was saved with (--lr 0.05 -> 0.1)" in error_lines(result)[0]
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def test_a_resumed_life_that_ends_before_saving_removes_the_dead_lifes_leftovers(finished, tmp_path):
@@ -219,8 +261,8 @@ def small_disk(tmp_path):
 def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_disk):
     out = small_disk / "run"
     # Each checkpoint is ~25 kB (14 kB of RNG state): a 400 kB disk fills after a few of them.
-    result = run_recipe([*ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "1000", "--epochs", "50",
-                         "--output-dir", str(out)], recipe=TOY, check=False)
+    result = run_preloaded([*ARGS, "--checkpoint-every", "1", "--keep-checkpoints", "1000", "--epochs", "50",
+                            "--output-dir", str(out)], recipe=TOY, cwd=small_disk)
     errors = error_lines(result)
     assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]  # a runtime failure
     assert f"no space left on the disk at {small_disk}" in errors[0] and str(out) in errors[0]
@@ -231,21 +273,113 @@ def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_d
     assert complete and all(checkpoint.damage_of(p) is None for p in complete)
 
 
+@pytest.fixture
+def disk_of(tmp_path):
+    """disk_of(kb): a fresh tmpfs of kb KB (0: a 4 KB one filled to the last byte)."""
+    mounts = []
+
+    def make(kb: int) -> Path:
+        mount = tmp_path / f"disk{kb}"
+        mount.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(kb, 4)}k", "tmpfs", str(mount)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+        mounts.append(mount)
+        if kb == 0:
+            fill(mount)
+        return mount
+
+    yield make
+    for mount in mounts:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# Disk sizes at which the toy run below meets a full disk in its writers (found by filling a tmpfs to every 4 KB
+# from 0 to 300 KB; what each hits depends on the file sizes, so the test asserts only what must hold at any of
+# them): the lock (0 KB), config.json, log.csv, metrics.csv, a checkpoint's optimizer.bin (torch.save through
+# Accelerate: RuntimeError "unexpected pos" / "iostream error", once a traceback and a .step_N.saving left behind),
+# rank_state_0.pt (torch.save), MANIFEST.json, the COMPLETE marker (after the rename: the save is undone),
+# summary.json, curves.png; and with wandb writing its files beside them (its logging once printed dozens of
+# "--- Logging error ---" tracebacks). model.safetensors: test_a_full_disk_inside_safetensors_is_named_as_one.
+FULL_AT_KB = [(0, []), (4, []), (8, []), (12, []), (20, []), (40, []), (96, []), (100, []), (152, []), (180, []),
+              (8, ["--log-with", "wandb"])]
+
+
+def test_a_disk_that_fills_at_any_write_is_one_line_and_leaves_no_partial_file(disk_of):
+    named = set()
+    for kb, flags in FULL_AT_KB:
+        disk = disk_of(kb) if not flags else disk_of(kb + 1)  # another mount point for the same size
+        out = disk / "run"
+        result = run_preloaded([*ARGS, "--max-steps", "9", "--output-dir", str(out), *flags], recipe=TOY, cwd=disk)
+        errors = error_lines(result)
+        assert result.returncode == 1 and len(errors) == 1, (kb, result.stderr[-3000:])
+        assert errors[0].startswith(f"error: no space left on the disk at {disk} ("), (kb, errors[0])
+        assert f"while writing {out}" in errors[0], (kb, errors[0])
+        assert "Traceback" not in result.stderr and "Logging error" not in result.stderr, (kb, result.stderr[-3000:])
+        named.add(Path(errors[0].split(" while writing ")[1].split(";")[0]).name)
+        partial = [p for p in disk.rglob("*") if re.search(r"\.saving|\.tmp$|partial|\.pruning", p.name)]
+        assert partial == [], (kb, partial)
+        assert all(checkpoint.damage_of(p) is None for p in checkpoint.complete_checkpoints(out)), kb
+        assert checkpoint.leftovers(out) == [], kb
+        if kb == 100:  # the COMPLETE marker did not fit: step_3 stays the newest; with space, the run goes on
+            assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step_3"]
+            subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
+            resumed = run_preloaded([*ARGS, "--max-steps", "9", "--output-dir", str(out), "--resume-from", "auto"],
+                                    recipe=TOY, cwd=disk)
+            assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+            assert verify_run(out) == []
+    # the writers above were met (a torch.save among them)
+    assert {".lock", "config.json", "metrics.csv", "COMPLETE"} <= named and named & {
+        "optimizer.bin", "random_states_0.pkl", "rank_state_0.pt", "extra_state.pt"}, named
+
+
+def test_a_full_disk_while_caching_data_is_one_line_and_caches_nothing(disk_of):
+    """A processed-data cache that does not fit: one line naming --cache-dir and the disk (it once said "is not a
+    writable directory"), and no partial build left."""
+    import datasets
+
+    from toolkit.data.cache import cached_dataset
+    from toolkit.errors import UsageError
+
+    def build():
+        rows = datasets.Dataset.from_dict({"user": list(range(3000)), "items": [[i, i + 1] for i in range(3000)]})
+        return rows, {"users": 3000}
+
+    for kb in (0, 12, 60):  # the cache directory itself, the build's first file, its last
+        disk = disk_of(kb)
+        with pytest.raises(UsageError) as refused:
+            cached_dataset(disk / "cache", "rows", "key", build)
+        message = str(refused.value)
+        assert message.startswith(f"--cache-dir {disk / 'cache'}: no space left on the disk at {disk} ("), message
+        assert "\n" not in message and "nothing was cached" in message
+        assert [p for p in disk.rglob("*") if p.is_file() and p.name != "filler"] == [], kb
+
+
+def test_a_full_disk_inside_torch_save_is_named_as_one(small_disk):
+    """torch.save raises RuntimeError ("[enforce fail at inline_container.cc:672] . unexpected pos ...") when a file
+    does not fit: a traceback once, with the staging directory left behind."""
+    import torch
+    from accelerate import Accelerator
+
+    class Big:
+        def state_dict(self):
+            return {"x": torch.zeros(1_000_000)}  # 4 MB of per-rank state on a 400 kB disk
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(3, 2))
+    with pytest.raises(checkpoint.RunFailed) as error:
+        checkpoint.save_checkpoint(accelerator, small_disk / "run", 1, {"global_step": 1}, rank_state={"big": Big()})
+    assert str(error.value).startswith(f"no space left on the disk at {small_disk}")
+    assert "rank_state_0.pt" in str(error.value)
+    assert not list((small_disk / "run" / "checkpoints").iterdir())  # the staging directory is removed
+
+
 def fill(disk) -> None:
     """Fill a tmpfs to the last byte."""
     with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as handle:
         while True:
             handle.write(b"\0" * 4096)
-
-
-def test_a_full_disk_when_the_run_directory_is_taken_is_one_line(small_disk):
-    fill(small_disk)
-    out = small_disk / "run"
-    result = run_recipe([*ARGS, "--output-dir", str(out)], recipe=TOY, check=False)
-    errors = error_lines(result)
-    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]  # a runtime failure
-    assert f"no space left on the disk at {small_disk}" in errors[0], errors
-    assert "Traceback" not in result.stderr
 
 
 def test_a_full_disk_inside_safetensors_is_named_as_one(small_disk):

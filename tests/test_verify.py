@@ -96,6 +96,23 @@ def test_a_checkpoint_file_missing_from_the_manifest_is_damage(damaged):
     assert has(verify_run(damaged), "step_3 is damaged: model.safetensors is not listed in MANIFEST.json")
 
 
+def test_config_json_edited_after_the_saves_fails(damaged):
+    """config.json is checked against the settings each checkpoint recorded (an edited --lr once passed)."""
+    config = json.loads((damaged / "config.json").read_text())
+    edit_json(damaged / "config.json", config={**config["config"], "lr": 0.5})
+    assert verify_run(damaged) == [f"checkpoints: config.json differs from the settings step_3 recorded (--lr "
+                                   f"{config['config']['lr']!r} -> 0.5): it was changed after those saves"]
+
+
+def test_a_checkpoint_replaced_by_a_file_is_named(damaged):
+    step = damaged / "checkpoints" / "step_3"
+    shutil.rmtree(step)
+    step.write_text("not a checkpoint")
+    problems = verify_run(damaged)
+    assert has(problems, "checkpoints:", "the final checkpoint checkpoints/step_3 is not a directory"), problems
+    assert not has(problems, "missing")
+
+
 def test_world_size_disagreement(damaged):
     edit_json(damaged / "summary.json", world_size=2)
     problems = verify_run(damaged)

@@ -1,9 +1,9 @@
 """The checkpoint keeper: the run's checkpoints from the training loop's side.
 
 It saves the loop's position once per step (with the lengths of metrics.csv and log.csv, so a resume cuts off what a
-later life wrote), prunes to --keep-checkpoints while sparing the best step, loads the resume checkpoint into the
-prepared objects and the extra state, and loads the best weights at the end. The files themselves (atomic saves,
-manifests, damage checks) are toolkit.checkpoint's."""
+later life wrote, and the run's settings, so config.json can be checked against them), prunes to --keep-checkpoints
+while sparing the best step, loads the resume checkpoint into the prepared objects and the extra state, and loads the
+best weights at the end. The files themselves (atomic saves, manifests, damage checks) are toolkit.checkpoint's."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from toolkit import checkpoint
 from toolkit.errors import UsageError
+from toolkit.run import _config_values
 from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
 from toolkit.tracking import truncate_to_bytes
 
@@ -69,7 +70,8 @@ class CheckpointKeeper:
         run = self.run
         if run.is_main:
             progress.file_bytes = {name: _size(run.output_dir / name) for name in (METRICS_FILE, LOG_FILE)}
-        checkpoint.save_checkpoint(self.accelerator, run.output_dir, progress.global_step, dataclasses.asdict(progress),
+        checkpoint.save_checkpoint(self.accelerator, run.output_dir, progress.global_step,
+                                   {**dataclasses.asdict(progress), **_settings(run)},
                                    self.shared_state, self.rank_state, say=tqdm.write)
         self.last_saved_step = progress.global_step
         protect = {progress.best_step} if progress.best_step is not None else set()
@@ -83,6 +85,15 @@ class CheckpointKeeper:
         # "cpu:0", which safetensors refuses as a device name.)
         state = load_file(str(Path(checkpoint_dir) / MODEL_FILE))
         self.accelerator.unwrap_model(self.model).load_state_dict(state)
+
+
+def _settings(run) -> dict:
+    """{SETTINGS: the run's flags as config.json records them, and its data's fingerprint} for progress.json (none
+    for a run whose config is not a config dataclass, as in a test's stand-in)."""
+    if not dataclasses.is_dataclass(run.config):
+        return {}
+    data = getattr(run, "extra_info", {}).get("data") or {}
+    return {checkpoint.SETTINGS: {"config": _config_values(run.config), "data": data.get("fingerprint")}}
 
 
 def _size(path: Path) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import netrc
 import os
@@ -52,12 +53,17 @@ class CSVTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         new = not self.path.exists()
-        with open(self.path, "a", newline="") as handle:
-            writer = csv.writer(handle)
-            if new:
-                writer.writerow(["step", "name", "value"])
-            for name, value in values.items():
-                writer.writerow([step, name, repr(value) if isinstance(value, float) else value])
+        try:
+            with open(self.path, "a", newline="") as handle:
+                writer = csv.writer(handle)
+                if new:
+                    writer.writerow(["step", "name", "value"])
+                for name, value in values.items():
+                    writer.writerow([step, name, repr(value) if isinstance(value, float) else value])
+        except OSError as error:  # a full disk: one line naming it (a resume cuts the file back to its checkpoint)
+            from toolkit.checkpoint import disk_error  # here: it imports torch and accelerate's state
+
+            raise disk_error(error, self.path) from None
 
 
 def wandb_has_credentials() -> bool:
@@ -87,6 +93,10 @@ def tracker_choice(log_with: str, run_dir: Path, is_main: bool) -> list | None:
                     "or use --log-with wandb, csv or none"
                 ) from None
         return ["tensorboard"]
+    # wandb writes its debug logs through Python's logging into the run directory: on a full disk each record would
+    # print "--- Logging error ---" and a traceback (dozens, before the run's own one line about the disk). Records
+    # a handler cannot write are dropped quietly instead; the toolkit's own writes still stop the run in one line.
+    logging.raiseExceptions = False
     if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
         os.environ["WANDB_MODE"] = "offline"
         if is_main:
@@ -138,9 +148,19 @@ def truncate_to_bytes(path: Path, size: int) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
+    """path = data as JSON, written to a temporary sibling and renamed; a failed write removes the sibling."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        tmp.replace(path)
+    except OSError as error:  # a write that failed names no file: this one
+        raise _naming(error, path) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    return error if error.filename else OSError(error.errno, error.strerror, str(path))
 
 
 def plot_curves(run_dir: Path, main_metric: str) -> Path | None:
@@ -164,8 +184,15 @@ def plot_curves(run_dir: Path, main_metric: str) -> Path | None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(run_dir) / CURVES_FILE
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    partial = path.with_name(f".{path.name}.partial.png")  # a full disk leaves no half-written picture
+    try:
+        fig.savefig(partial, dpi=110)
+        partial.replace(path)
+    except OSError as error:
+        raise _naming(error, path) from None
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
     return path
 
 

@@ -10,7 +10,9 @@ Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py
     results      final_metrics and best_metrics present, numbers finite (test_metrics_at_best too, when present)
     checkpoints  the best checkpoint and one at the final global_step exist and are complete (COMPLETE marker);
                  every complete checkpoint's files match its MANIFEST.json (sha256), which lists every file;
-                 no leftovers of interrupted saves or prunes (.step_N.saving, .step_N.pruning, step_N w/o marker)
+                 config.json says what each checkpoint recorded the run's settings were (the flags a resume may
+                 change aside); every step_N is a directory; no leftovers of interrupted saves or prunes
+                 (.step_N.saving, .step_N.pruning, step_N w/o marker)
     world_size   config.json, summary.json and every metrics.csv row agree (and --expect-world-size); a process
                  count may change only at a resume recorded in config.json's world_sizes
     backend      config.json's backend is --expect-backend (only with that flag; `none` = a single process)
@@ -92,7 +94,7 @@ def inspect_run(run_dir: Path | str, expect_world_size: int | None = None, expec
         _completion(config, summary),
         _metrics(rows, columns, summary),
         _results(summary),
-        _checkpoints(run_dir, summary),
+        _checkpoints(run_dir, summary, config),
         _world_size(config, summary, rows, expect_world_size),
         _backend(config, expect_backend),
         _throughput(rows, summary),
@@ -241,7 +243,7 @@ def _results(summary: dict | None) -> Check:
     return check
 
 
-def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
+def _checkpoints(run_dir: Path, summary: dict | None, config: dict | None) -> Check:
     check = _skip("checkpoints", (SUMMARY_FILE, summary))
     if check:
         return check
@@ -261,8 +263,10 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
         if number is None:
             continue
         path = root / f"step_{number}"
-        if not path.is_dir():
+        if not path.exists() and not path.is_symlink():
             check.problems.append(f"the {what} checkpoint {path.relative_to(run_dir)} is missing")
+        elif not path.is_dir():
+            check.problems.append(f"the {what} checkpoint {path.relative_to(run_dir)} is not a directory")
         elif not checkpoint.is_complete(path):
             check.problems.append(
                 f"the {what} checkpoint {path.relative_to(run_dir)} is incomplete (no {checkpoint.MARKER} marker or "
@@ -276,11 +280,22 @@ def _checkpoints(run_dir: Path, summary: dict | None) -> Check:
             saved = _integer(progress.get("global_step")) if isinstance(progress, dict) else None
             if progress is not None and saved != number:
                 check.problems.append(f"{path.relative_to(run_dir)}/{checkpoint.PROGRESS_FILE} says step {saved}")
+    differing: dict[str, list[str]] = {}  # config.json's differences from a checkpoint's record -> those checkpoints
     for path in checkpoint.complete_checkpoints(run_dir):
         damage = checkpoint.damage_of(path)
         if damage:
             check.problems.append(f"{path.relative_to(run_dir)} is damaged: {damage}")
+        elif config is not None:
+            changes = checkpoint.settings_changes(path, config)
+            if changes:
+                differing.setdefault("; ".join(changes), []).append(path.name)
+    for changes, names in differing.items():
+        check.problems.append(f"{CONFIG_FILE} differs from the settings {', '.join(names)} recorded ({changes}): it "
+                              "was changed after those saves")
     named = {str(root / f"step_{n}") for _, n in wanted if n is not None}  # already named above
+    for path in checkpoint.step_entries(run_dir):
+        if not path.is_dir() and str(path) not in named:
+            check.problems.append(f"{path.relative_to(run_dir)} is not a directory: {checkpoint.NOT_A_DIRECTORY}")
     for path, why in checkpoint.leftovers(run_dir):
         if str(path) not in named:
             check.problems.append(f"{path.relative_to(run_dir)} is a leftover: {why}; the run's next life "

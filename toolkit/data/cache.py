@@ -57,6 +57,11 @@ def writable(cache_dir: Path | str, flag: str = "--cache-dir"):
     except OSError as error:
         if error.errno not in _UNUSABLE:
             raise
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):  # the directory is fine: its disk is full
+            from toolkit.checkpoint import disk_usage_words  # here: it imports torch
+
+            raise UsageError(f"{flag} {cache_dir}: {disk_usage_words(error, Path(cache_dir))}; free space there or "
+                             f"pass a {flag} on another disk (nothing was cached)") from None
         where = f": {error.filename}" if error.filename else ""
         raise UsageError(
             f"{flag} {cache_dir} is not a writable directory ({error.strerror or error}{where}); "
@@ -111,8 +116,9 @@ def cached_dataset(
     """Prepared(dataset, meta) from <cache_dir>/processed/<name>-<key> when a complete build is there (build() is not
     called); else build() -> (dataset, JSON-serialisable meta), saved atomically, then loaded from disk (so the
     first call returns exactly what later calls load). A cache directory that cannot be written raises a
-    UsageError naming `flag`; it is checked before build() runs. Exceptions from build() propagate, leaving
-    nothing behind: the directories made for the check are removed again (a bad input creates nothing)."""
+    UsageError naming `flag`; it is checked before build() runs, and a disk that fills during the save is one line
+    too (the partial build is removed). Exceptions from build() propagate, leaving nothing behind: the directories
+    made for the check are removed again (a bad input creates nothing)."""
     cache_dir = Path(cache_dir).expanduser()
     final = cache_dir / "processed" / f"{name}-{key}"
     if not is_complete(final):
@@ -126,7 +132,7 @@ def cached_dataset(
                 with contextlib.suppress(OSError):
                     directory.rmdir()
             raise
-        with writable(cache_dir, flag):
+        with writable(cache_dir, flag):  # a full disk: one line; the partial build is removed (save_atomically)
             save_atomically(ds, meta, final)
     meta = json.loads((final / META_FILE).read_text())
     return Prepared(datasets.load_from_disk(str(final / DATASET_DIR)), meta)

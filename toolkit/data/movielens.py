@@ -23,6 +23,7 @@ import sys
 import tempfile
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -381,8 +382,21 @@ def _cache_key(path: Path) -> str:
     return file_fingerprint(path, FORMAT_VERSION)
 
 
+def most_touched(ds: datasets.Dataset) -> int:
+    """The most distinct items one user interacted with (what leaves that user the fewest untouched items)."""
+    items = ds.with_format("arrow")[:].column("items")
+    lengths = pc.list_value_length(items).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(items).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not len(flat):
+        return 0
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    distinct = np.unique(owner * (flat.max() + 1) + flat) // (flat.max() + 1)  # the owner of each distinct pair
+    return int(np.bincount(distinct).max())
+
+
 def prepare_movielens(
-    dataset: Literal["ml-100k", "ml-1m"], data_path: Path | None, cache_dir: Path
+    dataset: Literal["ml-100k", "ml-1m"], data_path: Path | None, cache_dir: Path,
+    check: Callable[[datasets.Dataset, dict], None] | None = None,
 ) -> Prepared:
     """Per-user chronological sequences, built once and cached with `datasets` (save_to_disk/load_from_disk).
 
@@ -390,6 +404,8 @@ def prepare_movielens(
     ties keep file order (stable sort)), timestamps (list[int], unix seconds); meta = {num_users, num_items,
     num_interactions, source (str: where the raw file came from), dataset}.
     Users and items are numbered in the sorted order of their original ids.
+    check(ds, meta): the caller's checks of a new build (raise UsageError), run before it is cached, so a refusal
+    leaves no cache behind (a build found in the cache is the caller's to check).
     """
     datasets.disable_progress_bars()
     if dataset not in DATASETS:
@@ -409,7 +425,10 @@ def prepare_movielens(
 
     def build() -> tuple[datasets.Dataset, dict]:
         ds, meta = _build_sequences(_read_ratings(raw))
-        return ds, {**meta, "source": source, "dataset": dataset}
+        meta = {**meta, "source": source, "dataset": dataset}
+        if check is not None:
+            check(ds, meta)
+        return ds, meta
 
     key = _cache_key(raw)
     ds, meta = cached_dataset(cache_dir, dataset, key, build)
