@@ -26,8 +26,10 @@ TINY = ["--hidden", "16", "--blocks", "1", "--maxlen", "20", "--batch-size", "64
 
 
 def recipe_env(extra: dict | None = None) -> dict:
-    # OMP_WAIT_POLICY: this test process imported toolkit, which sets it; a recipe starts as from a user's shell.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_", "OMP_WAIT_POLICY"))}
+    # OMP_WAIT_POLICY, GOMP_SPINCOUNT: this test process imported toolkit, which sets one; a recipe starts as from a
+    # user's shell.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WANDB_", "ACCELERATE_", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))}
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
                 "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
     env.update(extra or {})

@@ -40,11 +40,14 @@ def test_the_wait_policy_is_passive_on_a_busy_machine_unless_the_user_chose_one(
 
     from conftest import recipe_env
 
-    probe = "import toolkit, os, sys; print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
-    # busy (others hold half the CPUs, over the last minute and now): PASSIVE; else libgomp's spin; a user's value
-    cases = ((None, BUSY, "PASSIVE False"), (None, "9.0 9.0 9.0 1/300", "None False"), ("ACTIVE", BUSY, "ACTIVE False"))
+    probe = ("import toolkit, os, sys; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+             "'torch' in sys.modules)")
+    # busy (others hold half the CPUs, over the last minute and now): PASSIVE; else a bounded spin; a user's value
+    cases = ((None, BUSY, "PASSIVE None False"), (None, "9.0 9.0 9.0 1/300", "None 1000 False"),
+             ("ACTIVE", BUSY, "ACTIVE None False"), ("GOMP_SPINCOUNT=50", BUSY, "None 50 False"))
     for given, load, expected in cases:
-        env = recipe_env({"TOOLKIT_LOADAVG": load, **({"OMP_WAIT_POLICY": given} if given else {})})
+        chosen = dict([given.split("=")]) if given and "=" in given else {"OMP_WAIT_POLICY": given} if given else {}
+        env = recipe_env({"TOOLKIT_LOADAVG": load, **chosen})
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         assert done.stdout.strip() == expected  # set before torch is imported, so its OpenMP runtime reads it
     for env in ({"OMP_WAIT_POLICY": "ACTIVE", "TOOLKIT_LOADAVG": BUSY}, {"TOOLKIT_LOADAVG": "0.1 0.1 0.1 1/300"}):

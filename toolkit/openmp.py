@@ -9,8 +9,12 @@ with two other jobs on the 2 cores, and 6.2 ms passive; DCRNN stalled at 42 s a 
 
 So `import toolkit` looks at the machine when the process starts: when other work holds at least half the usable
 CPUs, both over the last minute (the load average) and now (the processes running besides this one), the policy
-becomes PASSIVE; otherwise libgomp's default (spin) stays. The runtime reads the variable once, when it is loaded,
-hence before torch is imported (the recipes import toolkit first). A value the user exported is kept.
+becomes PASSIVE. Otherwise the threads spin, but a bounded while: GOMP_SPINCOUNT=1000 (libgomp's default is 300,000
+when it thinks the machine is its own), because load that arrives after the start cannot change a policy the runtime
+read once: a run started idle at libgomp's default then fell 2-28x behind its fair share when other jobs started
+(benchmarks/wait_policy.py); the bounded spin keeps the idle speed and sleeps soon enough under load. The runtime
+reads the variables once, when it is loaded, hence before torch is imported (the recipes import toolkit first). A
+value the user exported (either variable) is kept.
 TOOLKIT_LOADAVG stands in for /proc/loadavg's text (tests), e.g. "3.1 2.0 1.5 4/300".
 """
 
@@ -21,6 +25,8 @@ import os
 import sys
 
 VARIABLE = "OMP_WAIT_POLICY"
+SPIN = "GOMP_SPINCOUNT"
+BOUNDED_SPIN = "1000"  # iterations a waiting thread spins before it sleeps (benchmarks/wait_policy.py)
 _reason: str | None = None  # why this process chose PASSIVE (None: it chose nothing)
 _too_late = False  # torch was imported before toolkit: the policy could not be chosen
 
@@ -35,9 +41,10 @@ def _machine() -> tuple[float, int, int]:
 
 
 def prefer_passive_wait() -> None:
-    """PASSIVE when the machine is busy, before torch (and its OpenMP runtime) is loaded; the user's value stays."""
+    """PASSIVE when the machine is busy, else a bounded spin, before torch (and its OpenMP runtime) is loaded; the
+    user's value stays."""
     global _reason, _too_late
-    if VARIABLE in os.environ:
+    if VARIABLE in os.environ or SPIN in os.environ:
         return
     if "torch" in sys.modules:  # its OpenMP runtime is loaded and has read the variable already: nothing can change
         _too_late = True
@@ -50,6 +57,8 @@ def prefer_passive_wait() -> None:
     if math.isfinite(load) and load >= busy and running >= busy:
         os.environ[VARIABLE] = "PASSIVE"
         _reason = f"load average {load:.1f} and {running} other running process(es) on {cpus} CPUs at the start"
+    else:
+        os.environ[SPIN] = BOUNDED_SPIN  # idle now: spin, but not so long that load arriving later stalls the run
 
 
 def wait_policy_line(threads: int) -> str | None:
