@@ -96,7 +96,7 @@ MUTATIONS = [
              "total = lm_loss + q_halt_loss + 0.5 * q_continue_loss",
              ("tests/test_objectives.py",),
              "HRM's ACT loss weighs the halting BCE 1 instead of 0.5"),
-    Mutation("changed-flag-seen-only-by-type", "toolkit/run.py",
+    Mutation("changed-flag-seen-only-by-type", "toolkit/config.py",
              "if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]",
              "if key not in RESUMABLE_CHANGES and type(old.get(key)) != type(new.get(key))]",
              ("tests/test_resume_rule.py", "-k", "refused"),

@@ -159,7 +159,7 @@ def test_sasrec_ml_1m_run_records_its_preset_with_the_flags_on_top(tmp_path):
 
 
 def test_a_run_made_before_presets_resumes_under_the_default_preset():
-    from toolkit.run import _changed_flags
+    from toolkit.config import changed_flags as _changed_flags
 
     old = {"lr": 0.001, "maxlen": 50}  # config.json of a sasrec run from before presets: no `preset`
     assert _changed_flags(old, {**old, "preset": "ml-100k"}) == []

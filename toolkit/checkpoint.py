@@ -30,6 +30,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
+from toolkit.config import changed_flags
 from toolkit.errors import RunFailed, UsageError
 from toolkit.rundir import RunDir
 
@@ -179,10 +180,8 @@ def settings_changes(checkpoint: Path, config_json: dict) -> list[str] | None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         return None
-    from toolkit.run import _changed_flags  # here: toolkit.run imports this module
-
     config = config_json.get("config") if isinstance(config_json.get("config"), dict) else {}
-    changes = _changed_flags(record["config"], config)
+    changes = changed_flags(record["config"], config)
     data = config_json.get("data") if isinstance(config_json.get("data"), dict) else {}
     if record.get("data") is not None and record["data"] != data.get("fingerprint"):
         changes.append(f"data fingerprint {record['data']!r} -> {data.get('fingerprint')!r}")

@@ -24,17 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit import extras
+from toolkit.config import RESUMABLE_CHANGES
 from toolkit.errors import UsageError
 from toolkit.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
 
 PICTURE = "compare.png"
-# Flags that never change what a step computes (toolkit.run.RESUMABLE_CHANGES says which may change at a resume),
-# plus the seed: runs that differ only in these are one group.
-NOT_A_SETTING = {
-    "seed", "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
-    "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
-    "cache_dir", "data_on_device",
-}
+# Flags that never change what a step computes (those a resume may change), plus the seed: runs that differ only in
+# these are one group.
+NOT_A_SETTING = RESUMABLE_CHANGES | {"seed"}
 
 
 @dataclass

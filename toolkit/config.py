@@ -221,3 +221,25 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--dist-timeout {config.dist_timeout} is invalid; give seconds > 0")
     if not (config.max_loss_ratio == 0 or (config.max_loss_ratio > 1 and math.isfinite(config.max_loss_ratio))):
         raise UsageError(f"--max-loss-ratio {config.max_loss_ratio} is invalid; give a number > 1, or 0 for off")
+
+
+# Flags that may differ when a run is resumed: they change how long it runs, what it logs, where and how often it
+# saves, how it waits; never what a step computes. Any other change is refused, so a new config field is refused
+# until it is named here; naming one here needs a changed value in tests/test_resume_rule.py (RESUME_CHANGES), whose
+# resume of every recipe with all of them changed must stay bit-identical to the uninterrupted run.
+RESUMABLE_CHANGES = {
+    "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
+    "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
+    "cache_dir", "data_on_device",
+}
+
+
+def changed_flags(old: dict, new: dict) -> list[str]:
+    """The flags that differ between two configs (config.json's "config"), as "--lr 0.001 -> 0.1", those a resume
+    may change aside."""
+    if "preset" not in old or old["preset"] is None:
+        # A run made before its recipe had presets ran with the values of today's default one; its other flags are
+        # compared one by one all the same.
+        old = {**old, "preset": new.get("preset")}
+    return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
+            for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]

@@ -41,7 +41,7 @@ from accelerate.utils import (
 
 from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown
 from toolkit.accelerator import ToolkitAccelerator
-from toolkit.config import TrainConfig
+from toolkit.config import RESUMABLE_CHANGES, TrainConfig, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
 from toolkit.console import write_line
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -311,15 +311,6 @@ def _shared(state: PartialState, make):
     return value
 
 
-# Flags that may differ when a run is resumed: they change how long it runs, what it logs, where and how often it
-# saves, how it waits; never what a step computes. Any other change is refused, so a new config field is refused
-# until it is named here; naming one here needs a changed value in tests/test_resume_rule.py (RESUME_CHANGES), whose
-# resume of every recipe with all of them changed must stay bit-identical to the uninterrupted run.
-RESUMABLE_CHANGES = {
-    "epochs", "max_steps", "log_every", "log_with", "wandb_project", "checkpoint_every", "keep_checkpoints",
-    "dist_timeout", "num_workers", "max_requeues", "max_loss_ratio", "output_dir", "resume_from", "run_name",
-    "cache_dir", "data_on_device",
-}
 
 
 def _resolve_run_dir(config: TrainConfig, recipe: str, world_size: int):
@@ -426,15 +417,6 @@ def _config_values(config: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
-def _changed_flags(old: dict, new: dict) -> list[str]:
-    if "preset" not in old or old["preset"] is None:
-        # A run made before its recipe had presets ran with the values of today's default one; its other flags are
-        # compared one by one all the same.
-        old = {**old, "preset": new.get("preset")}
-    return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
-            for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
-
-
 def _read_config_json(run_dir: Path) -> dict | None:
     """The run's config.json, or the newest config.previous-N.json if a life died between the two renames."""
     candidates = [run_dir / CONFIG_FILE, *sorted(run_dir.glob("config.previous-*.json"),
@@ -453,7 +435,7 @@ def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
     if previous is None or not isinstance(previous.get("config"), dict):
         raise UsageError(f"--resume-from: {run_dir}/{CONFIG_FILE} is missing or unreadable, so the run's settings "
                          "cannot be checked; restore it or start a new run")
-    changed = _changed_flags(previous["config"], _config_values(config))
+    changed = changed_flags(previous["config"], _config_values(config))
     if changed:
         raise UsageError(f"cannot resume {run_dir} with changed settings: {'; '.join(changed)}; use the run's "
                          f"values (see its {CONFIG_FILE}) or start a new run with another --output-dir")
@@ -473,7 +455,7 @@ def _newest_resumable_run(recipe_root: Path, config: TrainConfig, say=None) -> P
         previous = _read_config_json(path) if newest is not None else None
         if not (previous and isinstance(previous.get("config"), dict)):
             continue
-        changed = _changed_flags(previous["config"], new)
+        changed = changed_flags(previous["config"], new)
         (others if changed else runs).append((newest.stat().st_mtime, str(path), changed))
     if others and say is not None and (not runs or max(others) > max(runs)):
         _, newest_other, changed = max(others)
