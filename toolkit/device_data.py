@@ -97,12 +97,11 @@ def device_batches(run, dataset: CutOnDevice, batch_sampler, **loader_args):
     accelerator.prepare()."""
     accelerator = run.accelerator
     device = accelerator.device
-    if not run.config.data_on_device:
-        return accelerator.prepare(DataLoader(dataset, batch_sampler=batch_sampler, **loader_args))
-    needed, free = dataset.device_bytes(), free_memory(device)
-    if needed > FREE_MEMORY_SHARE * free:
+    if run.config.data_on_device:
+        needed, free = dataset.device_bytes(), free_memory(device)
+        if needed <= FREE_MEMORY_SHARE * free:
+            return DeviceBatches(dataset, batch_sampler, device, accelerator.process_index, accelerator.num_processes)
         where = "the GPU's free" if device.type == "cuda" else "the machine's available"
         run.print(f"training data: {needed / 2**30:.2f} GiB does not fit in half {where} {free / 2**30:.2f} GiB; "
                   "loading it through a DataLoader instead")
-        return accelerator.prepare(DataLoader(dataset, batch_sampler=batch_sampler, **loader_args))
-    return DeviceBatches(dataset, batch_sampler, device, accelerator.process_index, accelerator.num_processes)
+    return accelerator.prepare(DataLoader(dataset, batch_sampler=batch_sampler, **loader_args))
