@@ -95,7 +95,9 @@ def profile_steps(steps: int, threads: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    print(f"{steps} training steps, cpu preset model, batch 64, {threads} thread(s):")
+    from toolkit.precision import cpu_kind
+
+    print(f"{steps} training steps, cpu preset model, batch 64; CPU: {cpu_kind(threads=threads)}:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
@@ -118,6 +120,9 @@ def main() -> None:
 
     import torch
 
+    from toolkit.precision import cpu_kind
+
+    print(f"CPU: {cpu_kind(threads='1 or 2 per process, as each row says')}", flush=True)
     # (label, accelerate config, extra recipe flags): 1 process x 1 thread (the cpu preset), x 2 threads, 2 x 1
     configs = [("1 process x 1 thread", "cpu.yaml", []), ("1 process x 2 threads", "cpu.yaml", ["--threads", "2"]),
                ("2 processes x 1 thread", "cpu_2proc.yaml", [])]
@@ -132,7 +137,7 @@ def main() -> None:
             print(f"round {round_ + 1}: {label:24s} world size {world}: {rate:8.1f} windows/s", flush=True)
     print(
         f"\nmedian training throughput over {known.rounds} round(s), {known.steps} timed steps each "
-        f"(recipe flags: {' '.join(recipe_flags) or 'defaults'}):"
+        f"(recipe flags: {' '.join(recipe_flags) or 'defaults'}); CPU: {cpu_kind(threads='as each row says')}:"
     )
     for label, rates in results.items():
         print(f"  {label:24s} {statistics.median(rates):8.1f} windows/s")

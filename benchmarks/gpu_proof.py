@@ -491,7 +491,9 @@ def machine_line(profile: Profile) -> str:
         device = f"{name} ({memory:.0f} GiB), CUDA {torch.version.cuda}"
     else:
         device = "no CUDA device"
-    return (f"Machine: {device}; {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}); "
+    from toolkit.precision import cpu_kind
+
+    return (f"Machine: {device}; CPU: {cpu_kind(threads='as each check says')}; "
             f"torch {torch.__version__}, accelerate {accelerate.__version__}, Python {platform.python_version()}.")
 
 

@@ -52,6 +52,11 @@ def main() -> None:
 
     import torch
 
+    from toolkit.precision import cpu_kind
+
+    # the recipe's own threads (the cpu-small preset's 1 unless the flags say --threads)
+    threads = recipe_flags[recipe_flags.index("--threads") + 1] if "--threads" in recipe_flags else "the recipe's"
+    print(f"CPU: {cpu_kind(threads=threads)}", flush=True)
     if torch.cuda.is_available():
         configs = {"gpu fp32": ("1gpu.yaml", ["--mixed-precision", "no"]),
                    "gpu bf16": ("1gpu.yaml", ["--mixed-precision", "bf16"]),
@@ -66,7 +71,7 @@ def main() -> None:
             results[name].append(rate)
             print(f"round {round_ + 1}: {name:20s} {rate:9.1f} puzzle-segments/s", flush=True)
     print(f"\nmedian over {known.rounds} round(s), {known.steps} timed steps each "
-          f"(recipe flags: {' '.join(recipe_flags) or 'the cpu-small preset'}):")
+          f"(recipe flags: {' '.join(recipe_flags) or 'the cpu-small preset'}); CPU: {cpu_kind(threads=threads)}:")
     medians = {name: statistics.median(rates) for name, rates in results.items()}
     for name, rate in medians.items():
         print(f"  {name:20s} {rate:9.1f} puzzle-segments/s")

@@ -35,6 +35,7 @@ from toolkit.config import TrainConfig
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean, mean_over_processes
 from toolkit.loop import TrainingLoop
+from toolkit.precision import cpu_kind
 from toolkit.randomness import keyed_uniform, sample_negatives
 from toolkit.run import start_run
 from toolkit.sampler import shuffled_batches
@@ -316,15 +317,13 @@ def main() -> None:
         cuda = [ProfilerActivity.CUDA] if device.type == "cuda" else []
         with profile(activities=[ProfilerActivity.CPU, *cuda]) as profiler:
             toolkit_round(args.profile)
-        print(f"{args.recipe}: {args.profile} steps of the recipe's loop, batch {work.batch_size}, "
-              f"{torch.get_num_threads()} thread(s)")
+        print(f"{args.recipe}: {args.profile} steps of the recipe's loop, batch {work.batch_size}; CPU: {cpu_kind()}")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
         return
     plain_round = plain_rounds(work, device)
     print(
-        f"{args.recipe}: on {device}, batch {work.batch_size}, {torch.get_num_threads()} thread(s), "
-        f"{args.rounds} rounds of "
-        f"{steps} steps",
+        f"{args.recipe}: on {device}, batch {work.batch_size}, {args.rounds} rounds of {steps} steps; "
+        f"CPU: {cpu_kind()}",
         flush=True,
     )
     plain_round(max(3, steps // 10)), toolkit_round(max(3, steps // 10))  # warm-up

@@ -21,6 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import sasrec  # noqa: E402
 
 
+def sasrec_threads(flags: list[str]) -> str:
+    """The run's intra-op threads as its flags give them (else the recipe's default)."""
+    return flags[flags.index("--threads") + 1] if "--threads" in flags[:-1] else "the recipe's default"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", default="4", help="epochs to train; the last one is reported")
@@ -33,6 +38,9 @@ def main() -> None:
     row = list(csv.DictReader(open(out / "metrics.csv")))[-1]
     epoch_time = float(row["epoch_time_sec"])
     data_wait = float(row["data_load_time_sec"])
+    from toolkit.precision import cpu_kind
+
+    print(f"CPU: {cpu_kind(threads=sasrec_threads(recipe_flags))}")
     print(f"world size {row['world_size']}: {float(row['throughput_samples_per_sec']):.0f} training sequences/s "
           f"(epoch {row['epoch']}: {epoch_time:.2f} s), data wait {100 * data_wait / epoch_time:.2f}% of step time "
           "(goal < 5%)")

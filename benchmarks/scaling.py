@@ -56,7 +56,11 @@ def main() -> None:
             if config not in best or rate > best[config][1]:
                 best[config] = (world, rate)
     base_world, base_rate = best[args.configs[0]]
-    print(f"\n{'config':<16} {'processes':>9} {'samples/s':>10} {'speed-up':>9} {'efficiency':>10}")
+    from toolkit.precision import cpu_kind
+
+    threads = recipe_flags[recipe_flags.index("--threads") + 1] if "--threads" in recipe_flags[:-1] else "the recipe's"
+    print(f"\nCPU: {cpu_kind(threads=f'{threads} per process')}")
+    print(f"{'config':<16} {'processes':>9} {'samples/s':>10} {'speed-up':>9} {'efficiency':>10}")
     for config in args.configs:
         world, rate = best[config]
         speedup = rate / base_rate

@@ -501,7 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     reps = 8 if args.quick else 20
     rounds = args.rounds or (1 if args.quick else 2)
     try:
-        print(f"scaling model: {os.cpu_count()} CPUs, torch {torch.__version__}, load average "
+        from toolkit.precision import cpu_kind
+
+        print(f"scaling model: CPU: {cpu_kind()}; torch {torch.__version__}, load average "
               f"{os.getloadavg()[0]:.2f}; families {' '.join(args.families)}{' (quick)' if args.quick else ''}",
               flush=True)
         loopback, how = measure_loopback(workdir, args.quick)

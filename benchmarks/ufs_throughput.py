@@ -85,13 +85,15 @@ def main() -> None:
     ]
     import torch
 
+    from toolkit.precision import cpu_kind
+
     if torch.cuda.is_available():
         configs.append(("1 GPU (bf16)", [*launch, str(ROOT / "accelerate_configs" / "1gpu.yaml")], [], {}))
     results = [run(name, cmd, [*flags, *extra], work / f"run{i}", {**env, **more})
                for i, (name, cmd, extra, more) in enumerate(configs)]
     print(
         f"UFS emulator training, {known.steps} steps of global batch {known.batch_size} on {data.name}; "
-        f"{os.cpu_count()} CPUs; last {max(known.steps // 3, 1)} steps timed"
+        f"last {max(known.steps // 3, 1)} steps timed; CPU: {cpu_kind(threads='as each row says')}"
     )
     print(f"{'configuration':<36} {'patterns/s':>12} {'data wait':>10}")
     for r in results:

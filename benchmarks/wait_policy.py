@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "test-data")
     args = parser.parse_args(argv)
-    print(f"CPU: {cpu_kind()}; {os.cpu_count()} CPUs", flush=True)
+    print(f"CPU: {cpu_kind(threads=' and '.join(map(str, args.threads)) + ' per run')}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         from toolkit.data.ufs import synthesize

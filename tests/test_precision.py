@@ -1,5 +1,6 @@
 """bf16 on a CPU without bf16 instructions: one warning line with the cost measured on this machine."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -72,3 +73,15 @@ def test_cpu_kind_names_the_model_and_the_flags_that_decide_speed():
     kind = cpu_kind(cpuinfo)
     assert kind.startswith("Some CPU 9000; AVX2, AVX-512F, AVX512_BF16, AMX; ") and kind.endswith(" threads")
     assert "no AVX2/AVX-512/AMX" in cpu_kind("model name : Old\nflags : fpu sse\n")
+    assert cpu_kind(cpuinfo, threads="1 and 2 per run").endswith("; 1 and 2 per run threads")
+
+
+def test_every_benchmark_prints_the_cpus_kind():
+    """A figure without the machine's kind is read as if every machine were equal (issue 27): each benchmark script
+    (and the side-by-side report the reference scripts share) prints toolkit.precision.cpu_kind."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = [p for p in [*root.glob("*.py"), *root.glob("references/*.py")] if "__main__" in p.read_text()]
+    assert len(scripts) >= 12, scripts
+    silent = [p.name for p in scripts if "cpu_kind(" not in p.read_text()
+              and not ("report(" in p.read_text() and "cpu_kind(" in (root / "references/side_by_side.py").read_text())]
+    assert silent == [], f"benchmarks that do not name the CPU: {silent}"

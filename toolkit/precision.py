@@ -37,8 +37,10 @@ SPEED_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "avx512_bf16": "AVX512_BF1
                "amx_tile": "AMX"}  # the flags that decide how fast torch's CPU kernels are
 
 
-def cpu_kind(cpuinfo: str | None = None) -> str:
-    """The CPU in one line for a benchmark's figures: model name, the speed-deciding flags it has, torch's threads."""
+def cpu_kind(cpuinfo: str | None = None, threads: int | str | None = None) -> str:
+    """The CPU in one line for a benchmark's figures: model name, the speed-deciding flags it has, its CPU count and
+    the intra-op threads of the measured work (`threads`: a count or words such as "1 and 2 per run"; default this
+    process's torch threads), so figures from different machines are never read as if equal."""
     import torch
 
     if cpuinfo is None:
@@ -50,7 +52,8 @@ def cpu_kind(cpuinfo: str | None = None) -> str:
                  "unknown CPU")
     flags = cpu_flags(cpuinfo)
     has = ", ".join(name for flag, name in SPEED_FLAGS.items() if flag in flags) or "no AVX2/AVX-512/AMX"
-    return f"{model}; {has}; {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{model}; {has}; {os.cpu_count()} CPUs; {threads} threads"
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:

@@ -250,6 +250,9 @@ def main() -> None:
     for name, times in seconds.items():
         print(f"median {name:9} {statistics.median(times) * 1e3:8.1f} ms/step")
     per_round = [t / o for o, t in zip(seconds["ours"], seconds["reference"], strict=True)]
+    from toolkit.precision import cpu_kind
+
+    print(f"CPU: {cpu_kind(threads=args.threads)}")
     print(f"ratio reference/ours per step = {statistics.median(per_round):.2f} (median of the rounds, "
           f"{min(per_round):.2f}-{max(per_round):.2f})")
 

@@ -190,7 +190,7 @@ def main() -> None:
         output = run_timed("the reference", command, copy, environment, workdir / f"reference-{index}.log")
         return reference_epoch_time(output)
 
-    report(alternate(args.rounds, {"ours": ours, "reference": theirs}))
+    report(alternate(args.rounds, {"ours": ours, "reference": theirs}), args.threads)
     if args.keep is None:
         shutil.rmtree(workdir, ignore_errors=True)
 

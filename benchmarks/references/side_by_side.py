@@ -129,9 +129,12 @@ def alternate(rounds: int, sides: dict[str, Callable[[int], EpochTime]]) -> dict
     return results
 
 
-def report(results: dict[str, list[EpochTime]]) -> None:
-    """Medians over the rounds, the per-round ratios' range, and the ratio as the last line."""
+def report(results: dict[str, list[EpochTime]], threads: int) -> None:
+    """The CPU's kind, medians over the rounds, the per-round ratios' range, and the ratio as the last line."""
+    from toolkit.precision import cpu_kind
+
     (ours_name, ours), (theirs_name, theirs) = results.items()
+    print(f"CPU: {cpu_kind(threads=threads or 'each program')}")
     per_round = [t.seconds_per_epoch / o.seconds_per_epoch for o, t in zip(ours, theirs, strict=True)]
     per_step = [t.seconds_per_step / o.seconds_per_step for o, t in zip(ours, theirs, strict=True)]
     for name, times in results.items():
