@@ -115,18 +115,25 @@ def test_process_count_may_change_at_a_resume(first, second, tmp_path):
 
 
 def test_batch_per_process_makes_the_global_batch_grow_with_the_processes(tmp_path):
-    """--batch-per-process 32 on 2 processes is a global batch of 64, as seed 000's "batch x processes"; resuming it
-    on 1 process would halve the global batch, a changed computation: refused in one line naming it."""
+    """--batch-per-process 48 on 2 processes is a global batch of 96, as seed 000's "batch x processes", and
+    --scale-lr linear follows it (seed 004's rule): the toy's lr 0.05 for its batch 64 becomes 0.075, said once and
+    recorded. Resuming on 1 process would change the global batch and the rate: refused in one line naming them."""
     out = tmp_path / "run"
-    args = [*TOY_ARGS, "--no-carry", "--batch-per-process", "32", "--max-steps", "3", "--output-dir", str(out)]
+    args = [*TOY_ARGS, "--no-carry", "--batch-per-process", "48", "--scale-lr", "linear", "--max-steps", "3",
+            "--output-dir", str(out)]
     result = run_recipe(args, recipe=TOY, config="cpu_2proc.yaml")
     assert ranks_seen(result.stdout + result.stderr) == {(0, 2), (1, 2)}
+    said = [line for line in result.stdout.splitlines() if line.startswith("learning rate scaled")]
+    assert said == ["learning rate scaled (linear, samples per optimizer step 96 against the preset's 64: x 96 / 64 "
+                    "= 1.5): --lr 0.05 -> 0.075"], result.stdout
     config = json.loads((out / "config.json").read_text())["config"]
-    assert (config["batch_size"], config["batch_per_process"]) == (64, 32)
+    assert (config["batch_size"], config["batch_per_process"], config["scale_lr"]) == (96, 48, "linear")
+    assert config["lr"] == pytest.approx(0.075, rel=1e-12)
     assert verify_run(out) == []
     one = run_recipe([*args, "--resume-from", "auto"], recipe=TOY, check=False)
     errors = [line for line in one.stderr.splitlines() if line.startswith("error:")]
-    assert one.returncode == 2 and len(errors) == 1 and "--batch-size 64 -> 32" in errors[0], one.stderr
+    assert one.returncode == 2 and len(errors) == 1 and "--batch-size 96 -> 48" in errors[0], one.stderr
+    assert "--lr 0.075" in errors[0] and "-> 0.0375" in errors[0], one.stderr  # 0.05 x 48 / 64 on 1 process
 
 
 def test_per_rank_state_refuses_another_process_count(tmp_path):

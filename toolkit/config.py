@@ -8,6 +8,7 @@ recipe has the same `--output-dir`, `--resume-from`, `--batch-size`, ... with th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -49,7 +50,11 @@ class TrainConfig:
     000's "effective batch = batch x processes"), so adding processes adds samples per step. Give this or
     --batch-size, not both; config.json records both."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (with --scale-lr: the rate for the preset's batch, scaled to this run's)."""
+    scale_lr: Literal["none", "linear", "sqrt"] = "none"
+    """Scale every learning rate (--lr, and a recipe's other *_lr) with the samples per optimizer step against the
+    preset's: linear (lr x batch / preset batch, seed 004's rule for Adam at moderate batches) or sqrt; config.json
+    records the scaled rates. For --batch-per-process, whose global batch grows with the processes."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     max_grad_norm: float = 0.0
@@ -131,11 +136,34 @@ def parse_config(presets: type[ConfigT] | Mapping[str, tuple[str, ConfigT]], arg
         raise
     validate(config)
     _apply_batch_per_process(config, args)
+    reference = presets_.named(presets, name) if isinstance(presets, Mapping) else presets()
+    scaled = _apply_scale_lr(config, reference)
     if check is not None:
         check(config)
     if os.environ.get(CHECK_ARGS) == "1":  # `toolkit sweep` checks a grid's flags before it makes anything
         raise SystemExit(0)
+    if scaled and is_main:
+        print(scaled, flush=True)
     return config
+
+
+def _apply_scale_lr(config: TrainConfig, reference: TrainConfig) -> str | None:
+    """--scale-lr: multiply every learning-rate field (lr and any *_lr) by (samples per optimizer step / the
+    preset's), or its square root; the line that says the effective rates, or None when nothing was scaled."""
+    if config.scale_lr == "none":
+        return None
+    batch, base = config.batch_size * config.grad_accum, reference.batch_size * reference.grad_accum
+    factor = batch / base if config.scale_lr == "linear" else math.sqrt(batch / base)
+    names = [f.name for f in dataclasses.fields(config)
+             if (f.name == "lr" or f.name.endswith("_lr")) and isinstance(getattr(config, f.name), float)]
+    rates = []
+    for name in names:
+        given = getattr(config, name)
+        setattr(config, name, given * factor)
+        rates.append(f"--{name.replace('_', '-')} {given:g} -> {getattr(config, name):g}")
+    how = f"{batch} / {base}" if config.scale_lr == "linear" else f"sqrt({batch} / {base})"
+    return (f"learning rate scaled ({config.scale_lr}, samples per optimizer step {batch} against the preset's {base}: "
+            f"x {how} = {factor:g}): {', '.join(rates)}")
 
 
 def _apply_batch_per_process(config: TrainConfig, args: list[str]) -> None:
@@ -234,6 +262,11 @@ RESUMABLE_CHANGES = {
 }
 
 
+# Flags added after runs were made, with the value that reproduces what those runs did: a run whose config.json
+# lacks one resumes with that value as if it had been given (any other value is a change, refused as usual).
+ADDED_FLAGS = {"scale_lr": "none"}
+
+
 def changed_flags(old: dict, new: dict) -> list[str]:
     """The flags that differ between two configs (config.json's "config"), as "--lr 0.001 -> 0.1", those a resume
     may change aside."""
@@ -241,5 +274,6 @@ def changed_flags(old: dict, new: dict) -> list[str]:
         # A run made before its recipe had presets ran with the values of today's default one; its other flags are
         # compared one by one all the same.
         old = {**old, "preset": new.get("preset")}
+    old = {**{key: value for key, value in ADDED_FLAGS.items() if key in new}, **old}
     return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
             for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]
