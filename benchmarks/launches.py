@@ -16,7 +16,19 @@ DataLoader's own work on the host (its sampler and collate); batches cut on the 
   dispatch on a CPU tensor, counted by wrapping them: `.tolist()`, `.cpu()`, `.numpy()`.
 
 Prints a table by op (count per step, most first; syncs marked), then `syncs/step = X` and `kernels/step = Y` last.
-On CPU the counts are those a GPU would see: where the tensors live does not change which ops run.
+On CPU the counts are those a GPU would see: where the tensors live does not change which ops run, with one
+exception: DCRNN's `--sequence-kernel auto` takes the fused kernel on CUDA and the cells on CPU, so for dcrnn this
+counts `--sequence-kernel fused` with its diffusion operators dense (the path a CUDA run takes; on CPU they are sparse
+CSR products, as many) unless the recipe's flags after -- name a kernel; the CPU's path: `--recipe dcrnn --
+--sequence-kernel cells`. A line before the totals says which was counted.
+
+    python benchmarks/launches.py --recipe dcrnn --cpu-time 8    # DCRNN's two sequence kernels timed on this CPU
+
+instead times a training step of DCRNN's two sequence kernels side by side on this CPU, no counting: the cpu
+preset's model (2x16, K=2) on the generated network's graph, batch 64, scheduled-sampling coins at 0.5, an MAE loss,
+backward, clipping at 5 and Adam, 1 thread; ROUNDS rounds of 5 steps, the kernels in turn within each
+round (the machine may be shared), after 3 warm-up steps each; the median round per step, and fused / cells as the
+median of the rounds' ratios and as the ratio of the fastest rounds.
 """
 
 from __future__ import annotations
@@ -164,6 +176,51 @@ def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Pat
     return dict(counter.ops), steps
 
 
+def time_dcrnn_kernels(rounds: int, steps: int = 5) -> dict[str, list[float]]:
+    """{kernel: ms per training step of each round}, the cells and the fused kernel in turn (see the docstring)."""
+    import statistics
+    import time
+
+    from toolkit.data.traffic import generate
+    from toolkit.models.dcrnn import DCRNN
+
+    torch.set_num_threads(1)
+    _, _, adjacency = generate(sensors=50, days=28, seed=0, progress=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, 50, 2, generator=generator)
+    truth = torch.randn(64, 12, 50, generator=generator)
+    coins = torch.rand(64, 12, generator=generator) < 0.5
+    runs = {}
+    for kernel in ("cells", "fused"):
+        torch.manual_seed(0)
+        model = DCRNN(adjacency, units=16, layers=2, diffusion_steps=2, horizon=12, sequence_kernel=kernel)
+        runs[kernel] = (model, torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3))
+
+    def train(model, optimizer, count):
+        for _ in range(count):
+            (model(x, truth, coins) - truth).abs().mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for model, optimizer in runs.values():
+        train(model, optimizer, 3)
+    times: dict[str, list[float]] = {kernel: [] for kernel in runs}
+    for _ in range(rounds):
+        for kernel, (model, optimizer) in runs.items():
+            start = time.perf_counter()
+            train(model, optimizer, steps)
+            times[kernel].append((time.perf_counter() - start) / steps * 1e3)
+    for kernel, values in times.items():
+        print(f"dcrnn {kernel:<5} ms/step: median {statistics.median(values):.1f}; rounds "
+              + " ".join(f"{v:.0f}" for v in values))
+    ratios = [fused / cells for fused, cells in zip(times["fused"], times["cells"], strict=True)]
+    print(f"dcrnn fused / cells = {statistics.median(ratios):.2f}, the median of the rounds' ratios (each round's "
+          f"two kernels run one after the other; {rounds} rounds of {steps} steps); of the fastest rounds "
+          f"{min(times['fused']) / min(times['cells']):.2f}")
+    return times
+
+
 def report(ops: dict, steps: int) -> tuple[float, float]:
     ops = {name: n for name, n in ops.items() if name not in MARKERS}
     syncs = sum(n for name, n in ops.items() if name in SYNC_OPS or name.startswith("."))
@@ -186,15 +243,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--where", default=None, metavar="OP",
                         help="also print where the project's code dispatches OP (e.g. _local_scalar_dense, .tolist())")
     parser.add_argument("--cache-dir", type=Path, default=None, help="the recipe's --cache-dir (default: its own)")
+    parser.add_argument("--cpu-time", type=int, default=0, metavar="ROUNDS",
+                        help="dcrnn: instead of counting, time both sequence kernels' training step on this CPU")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1")
+    if args.cpu_time:
+        if args.recipe != "dcrnn" or args.cpu_time < 1:
+            parser.error("--cpu-time ROUNDS (>= 1) times DCRNN's sequence kernels: give it with --recipe dcrnn")
+        from toolkit.precision import cpu_kind
+
+        time_dcrnn_kernels(args.cpu_time)
+        print(f"torch {torch.__version__}; CPU: {cpu_kind()}")
+        return
+    kernel_line = None
+    if args.recipe == "dcrnn":  # auto picks by device: count the CUDA run's kernel unless told which
+        named = [a.split("=", 1)[1] if "=" in a else extra[i + 1] for i, a in enumerate(extra)
+                 if a.split("=", 1)[0] == "--sequence-kernel" and ("=" in a or i + 1 < len(extra))]
+        if not named:
+            extra = ["--sequence-kernel", "fused", *extra]
+        kernel = named[-1] if named else "fused"
+        if kernel == "fused":  # its operators dense, as on CUDA (on CPU: sparse CSR; the same count, other op names)
+            from toolkit.models import dcrnn
+
+            dcrnn.FUSED_SPARSE_DENSITY = 0.0
+        kernel_line = (f"dcrnn: --sequence-kernel {kernel} counted" + (
+            " with dense diffusion operators, the path a CUDA run takes (auto = fused on CUDA, cells on CPU; the "
+            "CPU's path: -- --sequence-kernel cells)" if kernel == "fused" else
+            " (the path a CPU run takes with auto; a CUDA run's: --sequence-kernel fused)" if kernel == "cells"
+            else ""))
     ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where)
     syncs, kernels = report(ops, steps)
     from toolkit.precision import cpu_kind
 
     print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}; "
           f"CPU: {cpu_kind()}")
+    if kernel_line:
+        print(kernel_line)
     print(f"syncs/step = {syncs:.3f}")
     print(f"kernels/step = {kernels:.1f}")
 

@@ -12,10 +12,12 @@ the adjacency pickle adj_mx.pkl ([sensor_ids, id_to_index, matrix]); the timelin
 never cross a boundary; inputs are speed (standardised with the training inputs' mean/std) and time of day.
 Encoder-decoder of diffusion-convolution GRU cells (dual random walk, K steps); scheduled sampling with inverse-sigmoid
 decay, the coin of each (window, decoder step) keyed by (seed, step, window), so any process count and any resume draw
-the same coins; gradient clipping; Adam with step decay. Loss and metrics are masked (missing readings left out) and in
-mph after undoing the scaling: MAE, RMSE, MAPE overall and at 15/30/60 minutes, gathered with gather_for_metrics. Test
-metrics of the best-validation checkpoint and the two baselines on the same test windows (historical average of the
-same slot of the week, last observed value) go into summary.json.
+the same coins; gradient clipping; Adam with step decay. --sequence-kernel: the whole sequence fused into one autograd
+function (a third of the kernel launches; `auto` takes it on CUDA) or a cell step at a time (`auto` on CPU). Loss and
+metrics are masked (missing readings left out) and in mph after undoing the scaling: MAE, RMSE, MAPE overall and at
+15/30/60 minutes, gathered with gather_for_metrics. Test metrics of the best-validation checkpoint and the two
+baselines on the same test windows (historical average of the same slot of the week, last observed value) go into
+summary.json.
 Presets (--preset): `cpu` (default: small model, minutes on a laptop CPU) and `metr-la` (the paper's settings: 2 layers
 of 64 units, K=2, batch 64, lr 0.01 decayed x0.1 at epochs 20/30/40/50, clip 5, 100 epochs, decay steps 2000);
 flags given with a preset override its values.
@@ -23,8 +25,9 @@ flags given with a preset override its values.
 Errors (one line, exit 2, before anything is written): no --data, a --data directory without exactly one .h5 table and
 one adj*.pkl, a table that is not pandas HDF5, has no time index, irregular timestamps, non-numeric or negative
 speeds, or fewer timesteps than one window per part; an adjacency that is not [ids, index, matrix], whose size or ids
-disagree with the table; out-of-range numbers; --batch-size not divisible by the process count or larger than the
-training windows; and the shared flags' errors (fp16 on CPU, bad --resume-from, --output-dir in use...).
+disagree with the table; out-of-range numbers; --sequence-kernel fused with --compile; --batch-size not divisible by
+the process count or larger than the training windows; and the shared flags' errors (fp16 on CPU, bad --resume-from,
+--output-dir in use...).
 """
 
 from __future__ import annotations
@@ -96,6 +99,11 @@ class DCRNNConfig(TrainConfig):
     lr: float = 0.01
     max_grad_norm: float = 5.0
     threads: int = 1  # this model's products are small: more threads gain little and, on a busy machine, stall
+    sequence_kernel: Literal["auto", "fused", "cells"] = "auto"
+    """How the model's forward and backward run (the same function up to rounding): `fused`, the whole sequence as
+    one autograd function with a hand-written backward (~930 kernels an optimizer step instead of ~3,000); `cells`,
+    a DCGRU cell step at a time under autograd; `auto`, fused on CUDA and cells on CPU (where the cells are faster)
+    and under --compile (which traces the cells). A resume keeps the run's value."""
 
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
@@ -124,6 +132,10 @@ def check(cfg: DCRNNConfig) -> None:
     if not (cfg.max_speed > 0 and math.isfinite(cfg.max_speed)):
         raise UsageError(f"--max-speed {cfg.max_speed} is invalid; give a finite speed > 0 (mph)")
     require_range(cfg, "(0, 1]", "lr_decay")
+    if cfg.sequence_kernel == "fused" and (cfg.compile or cfg.cuda_graphs):
+        flag = "--cuda-graphs" if cfg.cuda_graphs else "--compile"
+        raise UsageError(f"--sequence-kernel fused cannot be compiled ({flag} traces the cells); give "
+                         f"--sequence-kernel auto or cells with {flag}, or leave {flag} out")
     if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
         raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
 
@@ -184,7 +196,10 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         layers=cfg.layers,
         diffusion_steps=cfg.diffusion_steps,
         horizon=OUTPUT_STEPS,
+        sequence_kernel=cfg.sequence_kernel,
     )
+    # the kernel this run's forwards take: the compiled model traces the cells; auto's choice depends on the device
+    kernel = "cells" if cfg.compile or cfg.cuda_graphs else model.kernel_for(accelerator.device)
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, eps=1e-3)  # the reference's eps
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)  # as the loop counts them
     milestones = [epoch * steps_per_epoch for epoch in cfg.lr_decay_epochs]
@@ -193,7 +208,7 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         model, optimizer, scheduler, valid_loader, test_loader
     )
     scaler = split.scaler
-    run.print(model_line(f"DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}", model))
+    run.print(model_line(f"DCRNN {cfg.layers}x{cfg.units}, K={cfg.diffusion_steps}, {kernel} sequence kernel", model))
 
     def forecast_metrics(loader, prefix):
         """Masked errors in mph per horizon; every window counted once (gather_for_metrics drops the padding)."""

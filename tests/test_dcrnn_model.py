@@ -286,3 +286,177 @@ def test_compile_traces_the_whole_forward_as_one_graph(layers):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager")
     torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)  # dense in the graph, sparse eager
+
+
+# ---- the fused sequence kernel (issue 23 item 3): the same function as the cells, in far fewer kernels --------------
+
+
+def test_the_sequence_kernel_is_fused_on_cuda_and_the_cells_on_cpu_unless_named(monkeypatch):
+    model = DCRNN(CHAIN, units=4)
+    assert (model.kernel_for("cpu"), model.kernel_for(torch.device("cuda", 0))) == ("cells", "fused")
+    for named in ("fused", "cells"):
+        assert {DCRNN(CHAIN, units=4, sequence_kernel=named).kernel_for(d) for d in ("cpu", "cuda")} == {named}
+    with pytest.raises(ValueError, match="sequence_kernel 'fast'"):
+        DCRNN(CHAIN, units=4, sequence_kernel="fast")
+    # traced by torch.compile, even a model told "fused" runs the cells (the fused kernel does not trace)
+    fused = DCRNN(CHAIN, units=4, sequence_kernel="fused")
+    monkeypatch.setattr(DCRNN, "fused_forward", lambda *args: pytest.fail("the fused kernel under compile"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fused(torch.randn(2, 12, 3, 2)).shape == (2, 12, 3)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@pytest.mark.parametrize(
+    "layers, input_dim, output_dim, forcing",
+    [(1, 2, 1, True), (2, 2, 1, True), (2, 7, 1, False), (3, 3, 2, True)],  # 7 inputs > 5 units: the widest block
+    ids=["1-layer", "2-layers", "2-layers-wide-input-no-teacher", "3-layers-2-outputs"],
+)
+def test_fused_kernel_equals_the_cells_in_float64_values_and_gradients(layers, input_dim, output_dim, forcing,
+                                                                         sparse, monkeypatch):
+    # The fused kernel (one autograd Function: the encoder's layers as a wavefront, a hand-written backward) against
+    # the cells (a DCGRUCell step at a time, autograd): values and the gradients of the parameters, of the input and
+    # of the teacher values, to float64 rounding.
+    monkeypatch.setattr(dcrnn, "FUSED_SPARSE_DENSITY", 2.0 if sparse else 0.0)  # force the fused products' path
+    rng = np.random.default_rng(layers)
+    adjacency = (rng.random((6, 6)) < 0.4) * rng.random((6, 6)) + np.eye(6)
+    torch.manual_seed(layers)
+    model = DCRNN(adjacency, input_dim=input_dim, output_dim=output_dim, units=5, layers=layers, horizon=5).double()
+    x = torch.randn(3, 4, 6, input_dim, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True) if forcing else None
+    coins = torch.rand(3, 5) < 0.5 if forcing else None
+    inputs = [x, teacher] if forcing else [x]
+    ours, reference = model.fused_forward(x, teacher, coins), model.cells_forward(x, teacher, coins)
+    assert model.diffusion.fused_sparse(x.device, x.dtype) == sparse
+    assert {operator.layout for operator in model.diffusion._fused_cache.values()} == {
+        torch.sparse_csr if sparse else torch.strided}
+    assert ours.shape == reference.shape == (3, 5, 6)
+    assert torch.allclose(ours, reference, rtol=0, atol=1e-12)
+    weights = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours * weights).sum(), [*inputs, *model.parameters()])
+    expected = torch.autograd.grad((reference * weights).sum(), [*inputs, *model.parameters()])
+    names = ["x", "teacher"][:len(inputs)] + [name for name, _ in model.named_parameters()]
+    for name, got, want in zip(names, grads, expected, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), name
+
+
+def test_fused_kernel_in_its_cuda_form_equals_the_cells_in_float64(monkeypatch):
+    # What differs on CUDA, taken on CPU: dense operators (batched products) and no reused scratch buffers (the
+    # products allocate their outputs, as CUDA's caching allocator makes cheap). No GPU run has checked it.
+    monkeypatch.setattr(dcrnn, "FUSED_SPARSE_DENSITY", 0.0)
+    monkeypatch.setattr(dcrnn._Run, "scratch", lambda self, name, rows, columns: None)
+    torch.manual_seed(0)
+    model = DCRNN(RING[:8, :8], units=5, layers=2, horizon=4).double()
+    x = torch.randn(3, 5, 8, 2, dtype=torch.float64)
+    teacher, coins = torch.randn(3, 4, 8, dtype=torch.float64), torch.rand(3, 4) < 0.5
+    ours, reference = model.fused_forward(x, teacher, coins), model.cells_forward(x, teacher, coins)
+    assert model._scratch == {} and torch.allclose(ours, reference, rtol=0, atol=1e-12)
+    weights = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours * weights).sum(), list(model.parameters()))
+    expected = torch.autograd.grad((reference * weights).sum(), list(model.parameters()))
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("adjacency", [RING, CHAIN], ids=["sparse", "dense"])
+def test_fused_kernel_under_autocast_is_within_the_dtypes_rounding(adjacency, dtype):
+    # As test_trains_under_autocast_on_either_path for the cells: against the float64 recurrence, the forward within
+    # 2 eps (measured 0.17-0.42 eps), the gradients within 4 eps in norm and 16 eps per parameter (measured <= 1.11,
+    # 5.6); the products run in the autocast dtype (its operators only), the parameters' gradients in float32.
+    eps, nodes = torch.finfo(dtype).eps, adjacency.shape[0]
+    torch.manual_seed(0)
+    model = DCRNN(adjacency, units=4, sequence_kernel="fused")
+    x, teacher, coins = torch.randn(2, 12, nodes, 2), torch.randn(2, 12, nodes), torch.rand(2, 12) < 0.5
+    weights = torch.randn(2, 12, nodes)
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(x, teacher, coins)
+    assert out.dtype == dtype and model.diffusion._cache == {}  # the cells' operators unused
+    assert {key[1] for key in model.diffusion._fused_cache} == {dtype}
+    grads = torch.autograd.grad((out.float() * weights).sum(), list(model.parameters()))
+    model64 = copy.deepcopy(model).double()
+    reference = _recurrence_dcrnn(model64, adjacency, x.double(), teacher.double(), coins)
+    expected = torch.autograd.grad((reference * weights.double()).sum(), list(model64.parameters()))
+    error = (out.double() - reference).abs().max().item()
+    assert eps / 32 < error < 2 * eps, (error, eps)
+    flat = torch.cat([g.double().flatten() for g in grads]), torch.cat([g.flatten() for g in expected])
+    assert (flat[0] - flat[1]).norm() < 4 * eps * flat[1].norm(), ((flat[0] - flat[1]).norm() / flat[1].norm(), eps)
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
+        assert got.dtype == torch.float32 and (got.double() - want).norm() < 16 * eps * want.norm(), name
+
+
+def test_under_autocast_the_fused_kernels_operators_are_built_once(monkeypatch):
+    # A forward and its backward use the diffusion matrices as "spread" and its transpose "collect" (dense in bf16);
+    # each is built once for its device and dtype, then reused: a rebuild is a conversion every diffusion.
+    model = DCRNN(RING, units=4, sequence_kernel="fused")
+
+    def forward_once():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 12, 40, 2), torch.randn(2, 12, 40), torch.rand(2, 12) < 0.5).float().sum().backward()
+
+    forward_once()
+    first = dict(model.diffusion._fused_cache)
+    assert sorted((key[1], key[2]) for key in first) == [(torch.bfloat16, "collect"), (torch.bfloat16, "spread")]
+    built = []
+    monkeypatch.setattr(dcrnn.GraphDiffusion, "_fused_matrix", lambda self, kind: built.append(kind))
+    forward_once()
+    assert built == []  # the second forward built nothing
+    assert all(model.diffusion._fused_cache[key] is first[key] for key in first)
+
+
+def test_the_fused_kernels_reused_buffers_never_serve_two_live_forwards():
+    # The fused kernel takes its buffers from a pool on the model and gives them back after its backward (or at once
+    # when no backward can come). Predictions kept from an earlier forward, and two forwards backpropagated in either
+    # order (gradient accumulation), must not see each other's buffers.
+    ring = np.eye(20) + np.roll(np.eye(20), 1, axis=1)
+    torch.manual_seed(0)
+    model = DCRNN(ring, units=4, sequence_kernel="fused")
+    x1, x2 = torch.randn(2, 12, 20, 2), torch.randn(2, 12, 20, 2)
+    with torch.no_grad():
+        kept = model(x1)
+        copy_of_kept = kept.clone()
+        model(x2)
+    assert torch.equal(kept, copy_of_kept)
+
+    def grads(loss):
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    alone = [a + b for a, b in zip(grads(model(x1).sum()), grads((model(x2) ** 2).sum()), strict=True)]
+    first, second = model(x1).sum(), (model(x2) ** 2).sum()
+    together = [a + b for a, b in zip(grads(second), grads(first), strict=True)]  # the later forward first
+    for got, want in zip(together, alone, strict=True):
+        assert torch.equal(got, want)
+    out = model(x1)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once per forward"):
+        out.sum().backward()
+    fresh = DCRNN(ring, units=4, sequence_kernel="fused")
+    with torch.inference_mode():  # buffers made there cannot be written outside it: not kept for training
+        fresh(x1)
+    fresh(x1).sum().backward()
+
+
+def test_a_training_step_of_the_cpu_preset_model_fused_dispatches_a_third_of_the_cells_kernels():
+    # Issue 23 item 3: the kernels of a forward and backward depend on the steps and layers, not on the sizes. Fused:
+    # 9 a cell step forward, 11 backward, the encoder's 2 layers as one wavefront (13 steps), the decoder's 24 cells,
+    # the fed-back value 1 + 1 a decoder step, and a few dozen for the whole sequence: 799 (with the loss's sum and
+    # its gradient, 801). The cells: 2,882.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        kernels = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.kernels += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    ring = np.eye(20) + np.roll(np.eye(20), 1, axis=1)
+    x, teacher, coins = torch.randn(4, 12, 20, 2), torch.randn(4, 12, 20), torch.rand(4, 12) < 0.5
+    counts = {}
+    for kernel in ("fused", "cells"):
+        model = DCRNN(ring, units=16, layers=2, diffusion_steps=2, sequence_kernel=kernel)
+        model(x, teacher, coins).sum().backward()  # operators built, buffers pooled
+        model.zero_grad(set_to_none=True)
+        with Count() as count:
+            model(x, teacher, coins).sum().backward()
+        counts[kernel] = count.kernels
+    assert counts["fused"] <= 820 and counts["cells"] > 2500, counts  # measured 801 and 2,882

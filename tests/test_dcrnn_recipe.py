@@ -4,6 +4,7 @@ bad inputs (one error line, exit 2, nothing created), and the 2-node CPU sbatch 
 
 import csv
 import pickle
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -144,6 +145,26 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(config, adam_runs, tmp_pa
     assert verify_run(resumed) == []
 
 
+def test_the_fused_sequence_kernel_trains_and_resumes_bit_identically(tmp_path):
+    # --sequence-kernel fused on CPU (auto takes it on CUDA): a run of 6 steps, and the same run resumed from its
+    # step_3 checkpoint (its step_6 removed), end with the same weights, byte for byte, and log the same losses.
+    flags = args("--max-steps", "6", "--checkpoint-every", "3", "--eval-every-steps", "3", "--log-with", "csv",
+                 "--log-every", "1", "--sequence-kernel", "fused")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = run_recipe([*flags, "--output-dir", str(straight)], recipe="dcrnn")
+    assert "K=2, fused sequence kernel" in first.stdout
+    assert read_json(straight / "config.json")["config"]["sequence_kernel"] == "fused"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_6")
+    second = run_recipe([*flags, "--output-dir", str(resumed), "--resume-from", "auto"], recipe="dcrnn")
+    assert "resuming from" in second.stdout and "step_3" in second.stdout
+    a, b = (d / "checkpoints" / "step_6" / "model.safetensors" for d in (straight, resumed))
+    assert a.read_bytes() == b.read_bytes()
+    assert logged_losses(straight) == logged_losses(resumed)
+    losses = logged_losses(straight)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]  # it trained
+
+
 # ---- bad input: one `error:` line, exit 2, the directory tree unchanged ----------------------------------------
 
 
@@ -199,6 +220,8 @@ BAD_INPUTS = [
     ("sampling-decay-negative", ["--sampling-decay-steps", "-1"], ["--sampling-decay-steps -1"]),
     ("lr-decay-zero", ["--lr-decay", "0"], ["--lr-decay 0"]),
     ("batch-larger-than-data", ["--batch-size", "4096"], ["--batch-size 4096", "985 training windows"]),
+    ("fused-kernel-compiled", ["--sequence-kernel", "fused", "--compile"],
+     ["--sequence-kernel fused cannot be compiled", "--compile traces the cells"]),
 ]
 
 

@@ -61,3 +61,4 @@ def test_a_run_made_before_the_flag_resumes_as_none():
     old = {"preset": "small", "lr": 1e-3, "batch_size": 64}
     assert changed_flags(old, {**old, "scale_lr": "none"}) == []
     assert changed_flags(old, {**old, "scale_lr": "linear"}) == ["--scale-lr 'none' -> 'linear'"]
+    assert changed_flags(old, {**old, "sequence_kernel": "auto"}) == ["--sequence-kernel 'cells' -> 'auto'"]

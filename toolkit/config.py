@@ -264,7 +264,11 @@ RESUMABLE_CHANGES = {
 
 # Flags added after runs were made, with the value that reproduces what those runs did: a run whose config.json
 # lacks one resumes with that value as if it had been given (any other value is a change, refused as usual).
-ADDED_FLAGS = {"scale_lr": "none"}
+ADDED_FLAGS = {
+    "scale_lr": "none",
+    # runs before it computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto is fused on CUDA)
+    "sequence_kernel": "cells",
+}
 
 
 def changed_flags(old: dict, new: dict) -> list[str]:
