@@ -10,7 +10,9 @@ sudoku-1k (the paper's settings: global batch 768, lr 1e-4, puzzle-embedding lr 
 puzzles x 1000 augmentations: 26,040 steps of 768 as the reference takes). Its figure to compare with, 55% exact
 accuracy, is on Sudoku-Extreme: without --data the preset generates hard puzzles (min rating 20) and says so in one
 line. The published run: --data DIR, the folder holding Sudoku-Extreme's train.csv and test.csv, and --full-test
-(test on all of test.csv). Any flag overrides the preset's value.
+(test on all of test.csv). On a GPU sudoku-1k computes in bf16 as the reference (its forward_dtype), unless
+--mixed-precision or the launch config says otherwise; on a CPU in fp32, said in one line. Any flag overrides the
+preset's value.
 
 Features: the H/L recurrent modules with the one-step gradient and ACT halting by Q-learning with exploration
 (toolkit/models/hrm.py); the carry across batches (halted rows take new puzzles, running rows keep theirs) kept per
@@ -23,7 +25,10 @@ left out at an epoch's end) in streams of --eval-every epochs, whose incomplete 
 reference's epochs_per_iter (toolkit.sampler; with --eval-every-steps, one stream for the whole run). Evaluation
 runs every puzzle for the maximum number of segments and reports exact accuracy (whole puzzles right), blank-cell
 and all-cell accuracy; training logs lm loss, Q losses, accuracies, q-halt accuracy and mean segments of the rows
-that halted, and the lr, all as sums over ranks divided by counts.
+that halted, and the lr, all as sums over ranks divided by counts. --eval-full-test-every N also evaluates the whole
+test split every N steps, as the reference's pretrain.py at every evaluation (full_test_*: logged at that step, the
+latest in every metrics.csv row). --init-from-reference PATH starts from a checkpoint of the reference
+implementation, mapped by name (toolkit/models/hrm_reference_checkpoint.py).
 
 Data: --data DIR, a dataset built by `python -m toolkit.data.sudoku build`, or a folder holding the public
 Sudoku-Extreme train.csv and test.csv (converted once into --cache-dir with --train-puzzles, --aug, ...; every
@@ -33,7 +38,9 @@ rating, no filter; --full-test: all of test.csv); without --data, the preset's g
 Errors (one line, exit 2, before anything is written): a --data that does not exist or is not a Sudoku dataset, a
 CSV row with a wrong-length grid, a character other than 1-9 and '.', an answer that breaks the rules or the puzzle
 (named by file and line); --full-test without a folder of CSVs; out-of-range numbers; --grad-accum other than 1 (the
-carry steps every batch); a batch larger than the training puzzles; and every shared-flag error (see README).
+carry steps every batch); a batch larger than the training puzzles; an --init-from-reference file that is missing,
+unreadable, or does not fit the model (a shape that differs, a tensor of ours it lacks, settings other than those of
+the all_config.yaml beside it); and every shared-flag error (see README).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
 
 # isort: split
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -52,11 +60,17 @@ from toolkit.config import TrainConfig, parse_config, require_at_least, require_
 from toolkit.data.prepared import require_batch_fits, require_path
 from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split, stored_columns
 from toolkit.device_data import device_batches
-from toolkit.devices import pin_memory
+from toolkit.devices import pin_memory, runs_on_cpu
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.loop import TrainingLoop
 from toolkit.models.hrm import HRM, SparseSignSGD, act_losses, ratios
+from toolkit.models.hrm_reference_checkpoint import (
+    load_reference_checkpoint,
+    map_reference_state,
+    read_reference_state,
+    refuse_other_settings,
+)
 from toolkit.optim import make_optimizer, model_line
 from toolkit.randomness import keyed_hash
 from toolkit.run import Run, main_process_first, start_run
@@ -123,6 +137,15 @@ class HRMConfig(TrainConfig):
     """Decoupled weight decay of the puzzle-embedding rows in the batch."""
     warmup_steps: int = 50
     """Linear learning-rate warm-up (both optimisers), then constant."""
+    eval_full_test_every: int = 0
+    """Also evaluate the WHOLE test split (all of test.csv with --full-test) every N optimizer steps, as the
+    reference's pretrain.py does at every evaluation, for the paper's curves: full_test_* metrics, each rank its share
+    gathered, logged to the tracker at that step; every metrics.csv row holds the latest (full_test_step says which).
+    sudoku-1k: 2604 = the reference's interval (2000 epochs). 0 = off."""
+    init_from_reference: Path | None = None
+    """Start from a checkpoint of the reference implementation (sapientinc/HRM pretrain.py's step_N file: a
+    torch.save'd state dict, with or without torch.compile's `_orig_mod.` prefix), its tensors mapped onto ours by
+    name; the model flags must be those it was trained with (refused in one line otherwise)."""
     # Shared flags: the cpu-small preset's values.
     epochs: int = 64
     batch_size: int = 64
@@ -166,6 +189,18 @@ def check(cfg: HRMConfig) -> None:
     if cfg.grad_accum != 1:
         raise UsageError(f"--grad-accum {cfg.grad_accum} is not supported by HRM: its carry advances one segment per "
                          "batch; use --grad-accum 1 and a larger --batch-size")
+    if cfg.eval_full_test_every < 0:
+        raise UsageError(f"--eval-full-test-every {cfg.eval_full_test_every} is invalid; it must be >= 0 (N: the "
+                         "whole test split every N optimizer steps; 0 = off)")
+    if cfg.init_from_reference is not None:  # read and fitted to the model (built on the meta device) before any data
+        with torch.device("meta"):
+            expected = build_model(cfg).state_dict()
+        state = read_reference_state(cfg.init_from_reference)
+        refuse_other_settings(cfg.init_from_reference, {  # (its all_config.yaml, when beside it, names the flags)
+            "--hidden": cfg.hidden, "--heads": cfg.heads, "--expansion": cfg.expansion, "--h-layers": cfg.h_layers,
+            "--l-layers": cfg.l_layers, "--h-cycles": cfg.h_cycles, "--l-cycles": cfg.l_cycles,
+            "--positions": cfg.positions})
+        map_reference_state(state, expected, cfg.init_from_reference)
     data_recipe(cfg).check()
     if cfg.data is None:  # generated data: the count is known before generating anything
         check_batch_fits(cfg.batch_size, cfg.train_puzzles)
@@ -174,6 +209,32 @@ def check(cfg: HRMConfig) -> None:
 def check_batch_fits(batch_size: int, train_puzzles: int) -> None:
     require_batch_fits(batch_size, train_puzzles, "training puzzles (an epoch is one pass over them)",
                        "use a smaller batch or more --train-puzzles")
+
+
+def build_model(cfg: HRMConfig) -> HRM:
+    return HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
+               h_layers=cfg.h_layers, l_layers=cfg.l_layers, h_cycles=cfg.h_cycles, l_cycles=cfg.l_cycles,
+               halt_max_steps=cfg.halt_max_steps, exploration_prob=cfg.exploration_prob, positions=cfg.positions)
+
+
+# A preset's forward precision on a GPU when neither --mixed-precision nor the launch config asks for one: sudoku-1k
+# computes in bf16 there, as the reference (models/hrm/hrm_act_v1.py:57, forward_dtype "bfloat16"), the toolkit's way
+# (Accelerate's bf16 autocast: matmuls in bf16, the weights, norms and carry in fp32). A CPU keeps fp32.
+GPU_PRECISION = {"sudoku-1k": "bf16"}
+
+
+def preset_precision(flag: str | None, preset: str | None, device_type: str,
+                     launch_config: str | None = None) -> tuple[str | None, str | None]:
+    """(--mixed-precision to run with, a line to say at the start or None). flag: --mixed-precision as given (None:
+    not given); device_type: "cuda" or "cpu", what the run computes on; launch_config: the launcher's choice
+    (ACCELERATE_MIXED_PRECISION; its "no" is Accelerate's default when a config names none, so it is no choice)."""
+    wanted = GPU_PRECISION.get(preset or "")
+    if wanted is None or flag is not None or launch_config not in (None, "", "no"):
+        return flag, None
+    if device_type != "cuda":
+        return flag, (f"--preset {preset}: fp32 on the {device_type.upper()} (the preset's {wanted} forward, as the "
+                      f"reference's, applies on a GPU; --mixed-precision {wanted} asks for it here)")
+    return wanted, None
 
 
 def data_recipe(cfg: HRMConfig) -> Recipe:
@@ -274,6 +335,32 @@ class MetricSums:
         self.totals = torch.tensor(list(saved["sums"].values()), dtype=torch.float64) if saved["sums"] else None
 
 
+PUZZLE_METRICS = ("exact_accuracy", "blank_accuracy", "token_accuracy", "q_halt_accuracy", "puzzles")  # after a prefix
+FULL_TEST = "full_test"  # --eval-full-test-every's metrics: full_test_exact_accuracy, ... (test_*: the final test)
+
+
+class LatestFullTest:
+    """Shared checkpoint state with --eval-full-test-every: the latest evaluation of the whole test split (its step
+    and metrics), which every metrics.csv row holds (empty before the first); the tracker has each at its step."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self.metrics: dict = {}
+
+    def record(self, step: int, metrics: dict) -> None:
+        self.step, self.metrics = step, dict(metrics)
+
+    def columns(self) -> dict:
+        names = [f"{FULL_TEST}_{name}" for name in PUZZLE_METRICS]
+        return {f"{FULL_TEST}_step": self.step, **{name: self.metrics.get(name) for name in names}}
+
+    def state_dict(self):
+        return {"step": self.step, "metrics": dict(self.metrics)}
+
+    def load_state_dict(self, saved):
+        self.step, self.metrics = saved["step"], dict(saved["metrics"])
+
+
 def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) -> torch.Tensor:
     """What each rank backpropagates: DDP's average over ranks of it is the gradient of the GLOBAL batch's mean row."""
     return rank_sum * (num_processes / batch_size)  # rank_sum: act_losses' total over this rank's rows
@@ -282,8 +369,13 @@ def per_row_loss(rank_sum: torch.Tensor, num_processes: int, batch_size: int) ->
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
+    cfg.mixed_precision, precision_line = preset_precision(cfg.mixed_precision, cfg.preset,
+                                                           "cpu" if runs_on_cpu() else "cuda",
+                                                           os.environ.get("ACCELERATE_MIXED_PRECISION"))
     # The puzzle-embedding table is a buffer updated identically on every rank: DDP must not broadcast it.
     with start_run(cfg, recipe="hrm", ddp_kwargs={"broadcast_buffers": False}) as run:
+        if precision_line:
+            run.print(precision_line)
         return train(run, cfg)
 
 
@@ -322,9 +414,10 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     run.print(f"data: {meta['puzzles']} puzzles, {meta['aug']} augmentations each for training ({meta['source']})")
 
     # ---- model and optimisation ----------------------------------------------------------------------------
-    model = HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
-                h_layers=cfg.h_layers, l_layers=cfg.l_layers, h_cycles=cfg.h_cycles, l_cycles=cfg.l_cycles,
-                halt_max_steps=cfg.halt_max_steps, exploration_prob=cfg.exploration_prob, positions=cfg.positions)
+    model = build_model(cfg)
+    if cfg.init_from_reference is not None and run.resume_checkpoint is None:  # (a resume loads its own weights)
+        for line in load_reference_checkpoint(model, cfg.init_from_reference):
+            run.print(line)
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                weight_decay=cfg.weight_decay)
 
@@ -341,10 +434,14 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     run.print(model_line(f"HRM {cfg.h_layers}+{cfg.l_layers} layers, hidden {cfg.hidden}, {cfg.h_cycles}x"
                          f"{cfg.l_cycles} cycles, at most {cfg.halt_max_steps} segments", core))
 
-    carry, train_sums = Carry(), MetricSums()
+    carry, train_sums, full_test = Carry(), MetricSums(), LatestFullTest()
+    # With --eval-full-test-every, the latest full test is checkpointed (a resumed run writes the same rows)
+    state = {"train_sums": train_sums, **({FULL_TEST: full_test} if cfg.eval_full_test_every else {})}
     loop = TrainingLoop(run, model, train_loader, evaluate=lambda: puzzle_metrics(valid_loader, "val"),
-                        main_metric="val_exact_accuracy", state={"train_sums": train_sums},
+                        main_metric="val_exact_accuracy", state=state,
                         rank_state={"carry": carry}, batches_per_epoch=train_batches.batches_in_epoch)
+    if cfg.eval_full_test_every:
+        loop.evaluations.row_columns = full_test.columns  # every metrics.csv row: the latest full test
 
     def puzzle_metrics(loader, prefix):
         """Every puzzle run for the maximum number of segments; sums over all ranks' puzzles / counts."""
@@ -402,6 +499,11 @@ def train(run: Run, cfg: HRMConfig) -> dict:
             totals = accelerator.reduce(totals, reduction="sum")  # every rank's rows: a collective, no host read
             train_sums.add(list(sums), totals[1:])
             loop.record_loss(totals[0].float() / cfg.batch_size)
+            if cfg.eval_full_test_every and step % cfg.eval_full_test_every == 0:
+                # The whole test split, as pretrain.py at every evaluation: each rank its share, gathered; no random
+                # stream drawn (the next batch reseeds anyway); logged at this step, before its checkpoint is saved
+                full_test.record(step, loop.evaluations.between_steps(
+                    lambda: puzzle_metrics(test_loader, FULL_TEST), step, loop.progress))
         loop.end_epoch()
 
     # ---- test: the best validation checkpoint on the held-out puzzles ------------------------------------------

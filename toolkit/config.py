@@ -266,7 +266,9 @@ RESUMABLE_CHANGES = {
 # lacks one resumes with that value as if it had been given (any other value is a change, refused as usual).
 ADDED_FLAGS = {
     "scale_lr": "none",
-    # runs before it computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto is fused on CUDA)
+    "eval_full_test_every": 0,
+    # runs before it computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto: fused on
+    # CUDA)
     "sequence_kernel": "cells",
 }
 

@@ -3,6 +3,8 @@ non-finite metrics refused, the best step kept, the metrics.csv row written and 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tqdm.auto import tqdm
 
@@ -20,6 +22,9 @@ class Evaluations:
         self.run, self.model, self.evaluate_fn, self.meter = run, model, evaluate, meter
         self.main_metric, self.higher_is_better = main_metric, higher_is_better
         self.test_metrics: dict = {}
+        # () -> {column: value}: a recipe's own columns in every metrics.csv row, after the metrics; not logged to
+        # the tracker at the row's step (HRM's latest full test, logged at its own step by between_steps)
+        self.row_columns = None
 
     def measure(self, function, then_train: bool = True) -> dict:
         """function()'s metrics, with the model in eval mode and no gradients (and back in train mode after, unless
@@ -60,6 +65,7 @@ class Evaluations:
             "step": progress.global_step,
             "train_loss": train_loss,
             **metrics,
+            **(self.row_columns() if self.row_columns is not None else {}),
             **self.meter.timing_columns(interval),
             "world_size": self.run.accelerator.num_processes,
         }
@@ -74,6 +80,23 @@ class Evaluations:
         if scheduled:
             progress.interval_loss_sum, progress.interval_loss_count = 0.0, 0
         self.meter.new_interval()
+        return metrics
+
+    def between_steps(self, function, step: int, progress: Progress) -> dict:
+        """A recipe's own evaluation at a cadence of its own, made in a training step's body after its optimizer step
+        (HRM's whole test split every --eval-full-test-every steps): function()'s metrics (eval mode, no_grad, then
+        train mode again), a non-finite one refused, shown and logged to the tracker at `step`. Its time is left out
+        of the training's: of the interval the next metrics row times (epoch time, throughput) and of the step's
+        compute time (measured around the step's body)."""
+        began = time.perf_counter()
+        metrics = self.measure(function)
+        self.refuse_nonfinite(metrics, "evaluation", f"at step {step}", progress)
+        if self.run.is_main:
+            tqdm.write(" ".join([f"step={step}", *(f"{k}={_short(v)}" for k, v in metrics.items())]))
+        self.run.accelerator.log(dict(metrics), step=step)
+        spent = time.perf_counter() - began
+        self.meter.timer.started += spent
+        self.meter.timer.compute_sec -= spent
         return metrics
 
     def test(self, run_test, progress: Progress) -> dict:
