@@ -12,22 +12,27 @@ Runs unchanged on one CPU process with many threads (seed 000's CPU-node mode), 
 
 Presets (--preset; any flag overrides the preset's value): `cpu` (the default: 300 epochs, early stopping after 20
 evaluations without improvement; minutes on a laptop CPU for the generated file, NOT the teams' training length)
-and `gdas` (the teams' settings for GDAS CICE files: 100,000 epochs, a patience of 50 that is only reported, never
-stopping before 3,000 epochs, at most 400,000 patterns per process). Both: 3 x 64 GELU, Adam lr 1e-4, weight decay
-1e-4, batch 1000 (GLOBAL: split over the processes; --batch-per-process 1000 keeps seed 000's 1000 per process).
+and `gdas` (aibalance c710abb's settings for GDAS CICE files: 100,000 epochs, a patience of 50 that is only
+reported, never stopping before 3,000 epochs, its domain --domain aibalance-c710abb and the first 400,000 cells).
+Both: 3 x 64 GELU, Adam lr 1e-4, weight decay 1e-4, batch 1000 (GLOBAL: split over the processes; with
+--batch-per-process 1000 keeps seed 000's 1000 per process).
 
 Features: inputs and outputs chosen by our variable names (default: sst sss tair tsfc hi hs sice uocn vocn uatm vatm
 qref flwdn fswdn -> aice), found in the file(s) under an explicit name (--variables NAME=VAR), ours, the CICE history
 name (sst_h, Tair_h, Qref_h, aice_h, ...) or a CF standard name, reported in one line (`variables: sst<-sst_h, ...`);
-the inputs may come from two files on one grid (--data ocean/ice, --data-atmos atmosphere); patterns are the cells
-of the sea-ice domain (ocean mask tmask or umask with their latitudes TLAT or ULAT, |latitude| >= --min-abs-lat in
---hemisphere north, south or both, open water in or out: --no-open-water keeps aice > 0 only), thinned (--thin),
+the inputs may come from two files on one grid (--data ocean/ice, --data-atmos atmosphere; aibalance's CF pair on a
+Gaussian grid read at the surface level); patterns are the cells of the sea-ice domain (ocean mask tmask or umask
+with their latitudes TLAT or ULAT, or --mask thickness-tair, |latitude| >= --min-abs-lat in --hemisphere north,
+south or both, open water in or out: --no-open-water keeps aice > 0 only; or a team's own, --domain soca,
+aibalance-c710abb or aibalance-b1eccbc), thinned (--thin),
 capped (--max-patterns, --max-patterns-per-rank) and split into training and validation (--val-fraction) by keyed
 coins per cell; each rank reads its own strided share of the patterns (seed 001) and the per-feature mean/std of
 inputs and outputs are merged over the ranks as (count, mean, M2) in float64, stored IN the model as buffers (a std
 below 1e-6 becomes 1); the network trains in normalised space with MSE; validation reports RMSE and MAE in physical
 units, R^2, for generated files RMSE / the noise floor sigma, and the emulator's Jacobian as the mean |d aice / d x|
-per input in physical units (`val_jac_abs_mean/<input>`: what data assimilation uses of the model); early stopping
+per input in physical units (`val_jac_abs_mean/<input>`: what data assimilation uses of the model) and its mean
+Frobenius norm in normalised units (`val_jacobian_frobenius`); --output-activation sigmoid bounds the outputs to
+(0, 1) as SOCA's IceNet does (default none); early stopping
 on the validation loss (--patience, --min-epochs, or only reported with --no-stop-early); the best weights give the
 final validation metrics and a predicted-vs-true scatter (val_scatter.png).
 
@@ -59,10 +64,12 @@ from toolkit.data.ufs import (
     DEFAULT_OUTPUTS,
     PatternRows,
     UfsPatterns,
+    describe_layout,
     describe_variables,
     load_patterns,
     whole_batch,
 )
+from toolkit.data.ufs_domains import check_domain
 from toolkit.device_data import device_batches
 from toolkit.early_stopping import EarlyStopping
 from toolkit.entry import one_line_errors
@@ -92,8 +99,20 @@ class UfsConfig(TrainConfig):
     variables: tuple[str, ...] = ()
     """Names in the file(s) for some of --inputs/--outputs, as NAME=VARIABLE (e.g. sst=SST tair=T2m); the others are
     looked up as ours, CICE's (sst_h, Tair_h, Qref_h, aice_h, ...), then CF standard names."""
+    domain: Literal["toolkit", "soca", "aibalance-c710abb", "aibalance-b1eccbc"] = "toolkit"
+    """Which cells are patterns, selected as whose code selects them: toolkit (ours: --mask, --mask-variable, the
+    flags --min-abs-lat, --hemisphere, --no-open-water; a keyed random subset when capped); soca (JCSDA SOCA
+    IceEmul.h, one model per pole: umask == 1, ULAT > 40 in --hemisphere north or south, 0 < aice <= 1, each rank's
+    first --max-patterns-per-rank of its stride); aibalance-c710abb (umask == 1, aice >= 0, the first N cells of
+    the flag --max-patterns in grid order: the gdas preset's); aibalance-b1eccbc (aibalance HEAD on its CF files:
+    the thickness-tair mask, aice > 0, the first N cells of the flag --max-patterns in grid order). A team's domain
+    refuses the flags whose choice it fixes."""
+    mask: Literal["variable", "thickness-tair"] = "variable"
+    """The ocean, for --domain toolkit: variable (--mask-variable's cells > 0.5) or thickness-tair (aibalance's CF
+    files: 0 < sea_water_cell_thickness <= 500 m at the surface level and 183.15 <= tair <= 333.15 K)."""
     mask_variable: str = AUTO
-    """Ocean mask variable (cells > 0.5 are ocean): auto = tmask, else umask; "" = every cell."""
+    """Ocean mask variable (cells > 0.5 are ocean; a team's domain: == 1): auto = tmask, else umask (soca and
+    aibalance-c710abb: umask); "" = every cell."""
     lat_variable: str = AUTO
     """Latitude variable (degrees) for --min-abs-lat and --hemisphere: auto = the mask's (TLAT for tmask, ULAT for
     umask), else TLAT, ULAT, lat, latitude or a standard_name latitude."""
@@ -106,10 +125,11 @@ class UfsConfig(TrainConfig):
     thin: int = 1
     """Keep every N-th domain cell."""
     max_patterns: int = 0
-    """At most this many patterns (a keyed random subset; 0 = all)."""
+    """At most this many patterns (a keyed random subset; with an aibalance domain the first N in grid order; 0 =
+    all)."""
     max_patterns_per_rank: int = 0
     """At most this many patterns per process: the cap is N x the process count (a keyed random subset, the same as
-    --max-patterns N x processes; 0 = none). The teams' cap of 400,000 points per rank."""
+    --max-patterns N x processes; with --domain soca each rank's first N of its stride, as SOCA; 0 = none)."""
     val_fraction: float = 0.1
     """Share of the patterns held out for validation (a keyed coin per cell)."""
     range_factor: float = 1.0
@@ -119,6 +139,8 @@ class UfsConfig(TrainConfig):
     """Width of each hidden layer."""
     layers: int = 3
     """Hidden layers (GELU)."""
+    output_activation: Literal["none", "sigmoid"] = "none"
+    """On the network's output: none, or sigmoid (outputs bounded to (0, 1), as SOCA's IceNet; for aice)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam (the reference) or plain SGD."""
     weight_decay: float = 1e-4
@@ -142,9 +164,11 @@ PRESETS = {
     "cpu": ("300 epochs, patience 20: minutes on a laptop CPU for the generated file, NOT the teams' length",
             UfsConfig()),
     "gdas": (
-        "the teams' training on GDAS CICE files (seeds 000/001): 100,000 epochs, patience 50 only reported, at "
-        "least 3,000 epochs, 400,000 patterns per process",
-        UfsConfig(epochs=100_000, patience=50, stop_early=False, min_epochs=3_000, max_patterns_per_rank=400_000),
+        "the teams' training on GDAS CICE files as aibalance c710abb (seed 000's) runs it: 100,000 epochs, patience "
+        "50 only reported, at least 3,000 epochs; its domain (--domain aibalance-c710abb: umask == 1, aice >= 0) "
+        "and its cap, the first 400,000 cells in grid order",
+        UfsConfig(epochs=100_000, patience=50, stop_early=False, min_epochs=3_000, domain="aibalance-c710abb",
+                  max_patterns=400_000),
     ),
 }
 
@@ -177,6 +201,9 @@ def check(cfg: UfsConfig) -> None:
                          "--data-atmos out when one file holds every variable")
     require_at_least(cfg, 1, "thin", "hidden", "layers")
     require_at_least(cfg, 0, "max_patterns", "max_patterns_per_rank", "patience", "min_epochs")
+    check_domain(cfg.domain, mask=cfg.mask, mask_variable=cfg.mask_variable, lat_variable=cfg.lat_variable,
+                 min_abs_lat=cfg.min_abs_lat, hemisphere=cfg.hemisphere, open_water=cfg.open_water,
+                 max_patterns=cfg.max_patterns, max_patterns_per_rank=cfg.max_patterns_per_rank)
     require_range(cfg, "(0, 1)", "val_fraction")
     if not (cfg.range_factor == 0 or (cfg.range_factor >= 1 and math.isfinite(cfg.range_factor))):
         raise UsageError(f"--range-factor {cfg.range_factor} is invalid; give a factor >= 1, or 0 for no check")
@@ -246,6 +273,8 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         hemisphere=cfg.hemisphere,
         open_water=cfg.open_water,
         max_patterns_per_rank=cfg.max_patterns_per_rank,
+        domain=cfg.domain,
+        mask=cfg.mask,
     )
     meta = patterns.meta
     require_batch_fits(cfg.batch_size, meta["train_patterns"], f"training patterns of {cfg.data}")
@@ -257,6 +286,7 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         variables=meta["variables"],
         mask_variable=meta["mask_variable"],
         lat_variable=meta["lat_variable"],
+        where=meta["where"],  # the domain's cells in words
         patterns=meta["patterns"],
         train=meta["train_patterns"],
         valid=meta["valid_patterns"],
@@ -265,6 +295,8 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         noise_sigma=sigma,
     )
     run.print(describe_variables(meta))
+    for line in describe_layout(meta):  # levels read, cells matched by coordinate value, the domain's rule
+        run.print(line)
     run.print(
         f"data: {meta['patterns']} patterns of {meta['domain_cells']} domain cells on a {meta['grid']} grid "
         f"({meta['train_patterns']} training, {meta['valid_patterns']} validation)"
@@ -278,6 +310,7 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         patterns.output_std,
         hidden=cfg.hidden,
         layers=cfg.layers,
+        output_activation=cfg.output_activation,
     )
     train_set = PatternRows(training_rows(model, patterns), index_name="pattern")
     valid_set = PatternRows(
@@ -299,7 +332,10 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     emulator = accelerator.unwrap_model(model)
-    run.print(model_line(f"{cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}", emulator))
+    bounded = ", sigmoid output" if cfg.output_activation == "sigmoid" else ""
+    run.print(model_line(f"{cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}{bounded}",
+                         emulator))
+    to_normalised = emulator.input_std[None, None, :] / emulator.output_std[None, :, None]  # physical -> normalised
 
     def jacobian_names(prefix: str) -> list[str]:
         """Column names of the mean |d output / d input| (output named only when there are several)."""
@@ -307,19 +343,27 @@ def train(run: Run, cfg: UfsConfig) -> dict:
                 for output in cfg.outputs for name in cfg.inputs]
 
     def validation_metrics(prefix: str, keep: list | None = None) -> dict:
-        """RMSE/MAE in physical units, R^2, the normalised MSE (the training loss) and the mean |Jacobian| in
-        physical units (d output / d input at each validation pattern, full precision: outside autocast) over the
-        whole split, every rank's patterns gathered (each counted once)."""
+        """RMSE/MAE in physical units, R^2, the normalised MSE (the training loss), the mean |Jacobian| in
+        physical units (d output / d input at each validation pattern, full precision: outside autocast) and the
+        mean Frobenius norm of the Jacobian in normalised units (d (y / std_y) / d (x / std_x): one number that
+        does not depend on the inputs' units) over the whole split, every rank's patterns gathered (each counted
+        once)."""
         sums = torch.zeros(len(cfg.outputs), 5, dtype=torch.float64)
         jacobian_sums = torch.zeros(len(cfg.outputs) * len(cfg.inputs), dtype=torch.float64)
+        frobenius_sum = 0.0
         for batch in valid_loader:
             with accelerator.autocast():
                 out = model(batch["x"])
             predicted = emulator.to_physical_outputs(out.float())
-            jacobian = emulator.jacobian(batch["x_physical"]).abs().flatten(1)  # [n, outputs x inputs]
-            predicted, true, jacobian = accelerator.gather_for_metrics((predicted, batch["y_true"], jacobian))
+            full = emulator.jacobian(batch["x_physical"])  # [n, outputs, inputs], physical units
+            frobenius = (full * to_normalised).square().sum(dim=(1, 2)).sqrt()  # [n]
+            jacobian = full.abs().flatten(1)  # [n, outputs x inputs]
+            predicted, true, jacobian, frobenius = accelerator.gather_for_metrics(
+                (predicted, batch["y_true"], jacobian, frobenius)
+            )
             sums += masked_error_sums(predicted, true, keep_dims=1).cpu()
             jacobian_sums += jacobian.sum(dim=0).cpu()
+            frobenius_sum += float(frobenius.sum())
             if keep is not None:
                 keep.append((predicted.cpu(), true.cpu()))
         metrics = {}
@@ -336,6 +380,7 @@ def train(run: Run, cfg: UfsConfig) -> dict:
         metrics[f"{prefix}_loss"] = normalised_mse
         for name, total in zip(jacobian_names(prefix), jacobian_sums.tolist(), strict=True):
             metrics[name] = total / meta["valid_patterns"]
+        metrics[f"{prefix}_jacobian_frobenius"] = frobenius_sum / meta["valid_patterns"]
         return metrics
 
     # --no-stop-early: the teams' training reports the patience and trains on

@@ -24,14 +24,18 @@ from toolkit.models.ufs_emulator import UfsEmulator, from_run_config
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ufs-export")]  # one worker: one run, one compile
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    where = tmp_path_factory.mktemp("ufs-export")
+def train_tiny_run(where: Path) -> tuple[Path, Path]:
+    """(run directory, its data file): a generated 24 x 48 grid, a 3 x 16 emulator trained 3 epochs (seconds)."""
     data = synthesize(where / "grid.nc", seed=5, nlat=24, nlon=48)
     run_dir = where / "run"
     args = ["--data", str(data), "--hidden", "16", "--batch-size", "40", "--epochs", "3", "--lr", "3e-3"]
     run_recipe([*args, "--log-with", "none", "--output-dir", str(run_dir)], recipe="ufs_emulator")
     return run_dir, data
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    return train_tiny_run(tmp_path_factory.mktemp("ufs-export"))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +159,6 @@ def test_export_refuses_bad_input_in_one_line(trained_run, tmp_path, capfd, monk
     ]
     for argv, fragments in cases:
         assert_refused_here(["aoti", *argv], fragments, tmp_path, capfd)
-    assert_refused_here(["torchscript", str(run_dir), "--out", "x.pt"], ["torchscript", "aoti"], tmp_path, capfd)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # AOTInductor compiles C++: no compiler, no export
     assert_refused_here(["aoti", str(run_dir), "--out", str(tmp_path / "x.pt2")], ["CXX", "g++"], tmp_path, capfd)
 
@@ -220,6 +223,9 @@ def test_cpp_consumer_prints_what_python_computes(trained_run, exported, tmp_pat
     package_predictions, package_jacobian = program(x)
     assert (from_cpp[:, :1] - package_predictions).abs().max() < 1e-12
     assert per_input_error(from_cpp[:, None, 1:], package_jacobian) < 1e-12
+    explicit = subprocess.run([str(binary), str(exported), str(csv), "--format", "aoti"], capture_output=True,
+                              text=True)
+    assert explicit.returncode == 0 and explicit.stdout == done.stdout  # --format aoti is the default
     assert python_predictions.std() > 1e-3  # the inputs really differ: not one constant compared with itself
     bad = tmp_path / "short.csv"
     bad.write_text("1,2,3\n")
@@ -250,7 +256,8 @@ def test_predict_writes_predictions_and_jacobian_on_the_grid(trained_run, export
         assert np.array_equal(emulated["domain_mask"].values, domain.astype(np.int8))
         cells = np.flatnonzero(domain.ravel())
         aice = emulated["aice"].values.ravel()
-        assert torch.equal(torch.from_numpy(aice[cells]), model.predict(x)[:, 0])  # float64, exactly
+        assert emulated["aice"].dims == ("time", "nj", "ni")  # the input's time dimension kept
+        assert torch.equal(torch.from_numpy(aice[cells]), model.predict(x)[:, 0].clamp(0, 1))  # float64, exactly
         jacobian = torch.stack([torch.from_numpy(emulated[n].values.ravel()[cells]) for n in jacobian_names], dim=1)
         assert per_input_error(jacobian[:, None, :], model.jacobian(x)) < 1e-6
         assert torch.equal(jacobian[:, None, :], model.predict_with_jacobian(x)[1])  # the closed form, exactly
@@ -266,7 +273,7 @@ def test_predict_writes_predictions_and_jacobian_on_the_grid(trained_run, export
             variable = raw[name]
             assert {"long_name", "units", "_FillValue", "coordinates"} <= set(variable.ncattrs()), name
             assert variable.coordinates == "TLON TLAT" and variable._FillValue == 1e30
-            values = variable[:].filled()
+            values = variable[:].filled()[0]  # (time, nj, ni): the one time
             assert (values[~domain] == 1e30).all() and (values[domain] != 1e30).all()
         assert raw["TLAT"].standard_name == "latitude" and raw["TLON"].standard_name == "longitude"
         assert "_FillValue" not in raw["TLAT"].ncattrs() and raw["domain_mask"].flag_meanings
@@ -279,7 +286,7 @@ def test_predict_writes_predictions_and_jacobian_on_the_grid(trained_run, export
     )
     assert code == 0, stderr
     with xr.open_dataset(from_package) as packaged, xr.open_dataset(out) as emulated:
-        assert np.array_equal(np.isnan(packaged["aice"].values), ~domain)
+        assert np.array_equal(np.isnan(packaged["aice"].values[0]), ~domain)
         assert np.nanmax(np.abs(packaged["aice"].values - emulated["aice"].values)) < 1e-6
         for name in jacobian_names:
             scale = np.nanmax(np.abs(emulated[name].values))

@@ -87,9 +87,9 @@ def test_two_processes_match_one_process_loss_curve_with_adam(smoke_runs):
     # the Jacobian columns: the same names, and values that agree as the weights do (gathered over both ranks)
     rows = {world: list(csv.DictReader(open(smoke_runs[world][1] / "metrics.csv"))) for world in (1, 2)}
     for world in (1, 2):
-        assert [c for c in rows[world][0] if "jac" in c] == JACOBIAN_COLUMNS
+        assert [c for c in rows[world][0] if "jac_abs_mean" in c] == JACOBIAN_COLUMNS
     for one, two in zip(rows[1], rows[2], strict=True):
-        for column in JACOBIAN_COLUMNS:
+        for column in [*JACOBIAN_COLUMNS, "val_jacobian_frobenius"]:
             assert float(one[column]) > 0
             assert abs(float(one[column]) - float(two[column])) / float(one[column]) < 1e-5, column  # 1.5e-7 seen
 
@@ -126,14 +126,15 @@ def test_gdas_preset_on_cice_files_in_two_files_reports_its_patience_and_trains_
                         recipe="ufs_emulator")
     assert ("variables: sst<-sst_h, sss<-sss_h, tair<-Tair_h, tsfc<-Tsfc_h, hi<-hi_h, hs<-hs_h, sice<-sice_h, "
             "uocn<-uocn_h, vocn<-vocn_h, uatm<-uatm_h, vatm<-vatm_h, qref<-Qref_h, flwdn<-flwdn_h, fswdn<-fswdn_h, "
-            "aice<-aice_h, mask<-tmask, lat<-TLAT; from --data-atmos: tair, uatm, vatm, qref, flwdn, fswdn"
+            "aice<-aice_h, mask<-umask; from --data-atmos: tair, uatm, vatm, qref, flwdn, fswdn"
             ) in result.stdout
     # patience 1 with min-delta 10 runs out at epoch 2; the gdas preset only says so, once, and trains on
     assert result.stdout.count("val_loss has not improved by 10.0 for 1 evaluations (reported only") == 1
     recorded = read_json(out / "config.json")
     config = recorded["config"]
-    assert (config["preset"], config["stop_early"], config["min_epochs"], config["max_patterns_per_rank"]) == (
-        "gdas", False, 3000, 400000)
+    assert (config["preset"], config["stop_early"], config["min_epochs"], config["domain"], config["max_patterns"],
+            config["max_patterns_per_rank"]) == ("gdas", False, 3000, "aibalance-c710abb", 400000, 0)
+    assert "domain (aibalance-c710abb): umask == 1 and aice >= 0" in result.stdout
     assert config["epochs"] == 4 and config["patience"] == 1  # flags win over the preset
     assert recorded["data"]["variables"]["qref"] == "Qref_h" and recorded["data"]["atmos_path"] == str(atmos)
     assert "+" in recorded["data"]["fingerprint"]  # both files

@@ -267,6 +267,9 @@ RESUMABLE_CHANGES = {
 ADDED_FLAGS = {
     "scale_lr": "none",
     "eval_full_test_every": 0,
+    "output_activation": "none",
+    "domain": "toolkit",
+    "mask": "variable",
     # runs before it computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto: fused on
     # CUDA)
     "sequence_kernel": "cells",

@@ -2,6 +2,7 @@
 
     python -m toolkit.data.ufs synth --out data/gdas-like.nc [--seed 0] [--nlat 180] [--nlon 360] [--sigma 0.05]
     python -m toolkit.data.ufs synth --out ocean.nc --atmos-out atmos.nc --naming cice   # CICE history names, 2 files
+    python -m toolkit.data.ufs synth --out ocean.nc --atmos-out atmos.nc --layout gaussian-cf   # aibalance's CF pair
 
 Reading (xarray, netCDF4 engine): the input and output variables are chosen by our names (default: the 14 -> aice
 set of the reference emulator); each is looked up in the file(s) under, in order, an explicit name (`variables`,
@@ -9,13 +10,16 @@ the recipe's --variables NAME=VAR), our name, the CICE history name (`sst_h`, `T
 and its CF standard names (a variable of that name, or one whose `standard_name` attribute is it); the names found
 are reported in one line (`describe_variables`). The inputs may come from two files on the same grid (ocean/ice
 `--data` and atmosphere `--data-atmos`). A field may carry leading length-1 dimensions (CICE history files have
-`time`).
+`time`). aibalance's current CF files (a Gaussian grid, 1-D latitude/longitude, ocean fields (lat, lon, lev)) are
+read as ufs_cf describes: the surface level, the axes broadcast, the pair matched by coordinate value.
 
-The patterns are the cells of the sea-ice domain as the teams select it: ocean (the mask variable, `tmask` or
-`umask`, "auto" tries those), poleward of `--min-abs-lat` in one hemisphere or both (from the latitude variable,
-`TLAT` with tmask, `ULAT` with umask), optionally without open water (aice > 0 only); thinned to every `--thin`-th
-cell, capped at `--max-patterns` cells, or at `--max-patterns-per-rank` x the process count (a keyed random subset,
-the same whatever the process count) and split into training and validation by a keyed coin per cell.
+The patterns are the cells of the sea-ice domain, selected as `--domain` says (ufs_domains: toolkit, soca,
+aibalance-c710abb, aibalance-b1eccbc; a team's domain is its code's rule and cap). Ours (toolkit): ocean (the mask
+variable, `tmask` or `umask`, "auto" tries those; or `--mask thickness-tair`, aibalance's), poleward of
+`--min-abs-lat` in one hemisphere or both (from the latitude variable, `TLAT` with tmask, `ULAT` with umask),
+optionally without open water (aice > 0 only); thinned to every `--thin`-th cell, capped at `--max-patterns`
+cells, or at `--max-patterns-per-rank` x the process count (a keyed random subset, the same whatever the process
+count) and split into training and validation by a keyed coin per cell.
 
 Sharding as seed 001 does it: rank r of W reads only the values of patterns r, r+W, r+2W, ... . The normalisation
 statistics are merged from those shards (count, mean, M2 in float64: toolkit.distributed.merge_moments); the
@@ -36,7 +40,8 @@ The generator writes such a file: the 14 fields on a lat/lon grid with plausible
 fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
 f a known smooth function (`clean_aice`); sigma is in the file's attributes (`noise_sigma`), so the best
 achievable validation RMSE is known. With naming="cice" the variables carry the CICE history names (plus `umask`,
-`ULAT`, `ULON`); with an atmosphere file the atmospheric fields go there.
+`ULAT`, `ULON`); with an atmosphere file the atmospheric fields go there. layout="gaussian-cf" writes aibalance's
+pair instead (ufs_cf.write_gaussian_cf).
 """
 
 from __future__ import annotations
@@ -54,6 +59,31 @@ from toolkit import extras
 from toolkit.data.cache import file_fingerprint
 from toolkit.data.prepared import counted_over_ranks
 from toolkit.data.rows import TensorRows
+from toolkit.data.ufs_cf import (
+    AIBALANCE_CF,
+    CF_ATMOSPHERE,
+    Level,
+    alignment,
+    at_surface,
+    broadcast_axis,
+    describe_levels,
+    file_axes,
+    gaussian_latitudes,
+    write_gaussian_cf,
+)
+from toolkit.data.ufs_domains import (
+    AUTO,
+    DOMAINS,
+    THICKNESS_TAIR,
+    TOOLKIT,
+    cap_cells,
+    check_domain,
+    depends_on_world,
+    domain_rule,
+    mask_kind,
+    team_ice,
+    thickness_tair_ocean,
+)
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.randomness import keyed_uniform
@@ -76,7 +106,7 @@ DEFAULT_INPUTS = (
 )
 DEFAULT_OUTPUTS = ("aice",)
 FORMAT_VERSION = 1  # part of the data fingerprint: bump when the selection of patterns changes
-VALIDATION_COIN, CAP_COIN = 11, 12  # purposes of the keyed per-cell coins
+VALIDATION_COIN = 11  # the purpose of the keyed per-cell validation coin (the cap's: ufs_domains.CAP_COIN)
 
 # Where a variable is found when no explicit name is given: our name first, then (in this order) the CICE history
 # name the teams' files use, then CF standard names (as a variable name, or as a variable's standard_name).
@@ -97,30 +127,34 @@ CICE_NAMES = {
     "fswdn": "fswdn_h",
     "aice": "aice_h",
 }
+# The second name of sst, sss, tsfc, hs, uocn, vocn, qref (and thick, the ocean's top-layer thickness) is the one
+# aibalance's CF files use (b1eccbc cf_mappings.py: ufs_cf.AIBALANCE_CF).
 CF_NAMES = {
-    "sst": ("sea_surface_temperature",),
-    "sss": ("sea_surface_salinity",),
+    "sst": ("sea_surface_temperature", "sea_water_potential_temperature"),
+    "sss": ("sea_surface_salinity", "sea_water_salinity"),
     "tair": ("air_temperature",),
-    "tsfc": ("sea_ice_surface_temperature", "surface_temperature"),
+    "tsfc": ("sea_ice_surface_temperature", "surface_temperature", "skin_temperature_at_surface"),
     "hi": ("sea_ice_thickness",),
-    "hs": ("surface_snow_thickness",),
+    "hs": ("surface_snow_thickness", "sea_ice_snow_thickness"),
     "sice": ("sea_ice_salinity",),
-    "uocn": ("sea_water_x_velocity",),
-    "vocn": ("sea_water_y_velocity",),
+    "uocn": ("sea_water_x_velocity", "eastward_sea_water_velocity"),
+    "vocn": ("sea_water_y_velocity", "northward_sea_water_velocity"),
     "uatm": ("x_wind", "eastward_wind"),
     "vatm": ("y_wind", "northward_wind"),
-    "qref": ("specific_humidity",),
+    "qref": ("specific_humidity", "water_vapor_mixing_ratio_wrt_moist_air"),
     "flwdn": ("surface_downwelling_longwave_flux_in_air",),
     "fswdn": ("surface_downwelling_shortwave_flux_in_air",),
     "aice": ("sea_ice_area_fraction",),
+    "thick": ("sea_water_cell_thickness",),
     "lat": ("latitude",),
+    "lon": ("longitude",),
 }
-AUTO = "auto"  # --mask-variable / --lat-variable: try the names below in order
-MASK_NAMES = ("tmask", "umask")  # CICE's T-cell and U-cell (velocity point) ocean masks
+MASK_NAMES = DOMAINS["toolkit"].mask_names  # CICE's T-cell and U-cell (velocity point) ocean masks
 LAT_FOR_MASK = {"tmask": "TLAT", "umask": "ULAT"}  # each mask's latitudes (CICE's staggered grid)
 LAT_NAMES = ("TLAT", "ULAT", "lat", "latitude")
 HEMISPHERES = ("both", "north", "south")
 ATMOSPHERE_FIELDS = ("tair", "uatm", "vatm", "qref", "flwdn", "fswdn")  # what the generator's --atmos-out holds
+LAYOUTS = ("cice", "gaussian-cf")  # the generator's: CICE history (time, nj, ni); aibalance's CF pair (ufs_cf)
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
@@ -153,18 +187,21 @@ def require_variables(ds, path: Path | str, names, what: str) -> None:
         )
 
 
-def grid_field(ds, name: str, path: Path | str, like: tuple | None = None):
+def grid_field(ds, name: str, path: Path | str, like: tuple | None = None, variable: str | None = None):
     """The variable as a 2-D (y, x) DataArray: leading length-1 dimensions (time) are dropped. With `like` (the first
-    field: (its name, its 2-D DataArray)) its dimensions are matched to that field's BY NAME, never by position."""
+    field: (its name, its 2-D DataArray)) its dimensions are matched to that field's BY NAME, never by position.
+    `variable`: its name in the file, for the messages (default `name`)."""
     array = ds[name]
+    shown = variable or name
     while array.ndim > 2 and array.shape[0] == 1:
         array = array.isel({array.dims[0]: 0})
     if array.ndim != 2:
         raise UsageError(
-            f"--data {path}: variable {name!r} has dimensions {dict(array.sizes)}; expected a 2-D "
-            "grid field (leading length-1 dimensions such as time are allowed)"
+            f"--data {path}: variable {shown!r} has dimensions {dict(array.sizes)}; expected a 2-D "
+            "grid field (leading length-1 dimensions such as time are allowed), or (y, x, level) on a grid that "
+            "the file's latitude/longitude variables name"
         )
-    return array if like is None else by_name(array, name, *like, path)
+    return array if like is None else by_name(array, shown, *like, path)
 
 
 def by_name(array, name: str, like_name: str, like, path: Path | str):
@@ -281,13 +318,24 @@ def resolve_variables(
     lat_variable: str = AUTO,
     need_lat: bool = True,
     need_ice: bool = False,
+    domain: str = TOOLKIT,
+    mask: str = "variable",
 ) -> tuple[dict[str, tuple[Source, str]], str, str]:
     """Find every field, the mask and the latitudes: ({our name or the mask/latitude name: (file, name there)},
-    mask key ("" = none), latitude key ("" = not needed)). A name not found is one error naming the names tried."""
+    mask key ("" = none), latitude key ("" = not needed)). A name not found is one error naming the names tried.
+    `domain` decides what "auto" tries (the team's own names) and what its selection reads (SOCA's latitudes, the
+    teams' aice); mask "thickness-tair" reads thick and tair instead of a mask variable."""
+    rule = domain_rule(domain)
+    thickness_tair = mask_kind(domain, mask) == "thickness-tair"
     found: dict[str, tuple[Source, str]] = {}
     wanted = [(name, "input") for name in inputs] + [(name, "output") for name in outputs]
-    if need_ice and "aice" not in inputs and "aice" not in outputs:
-        wanted.append(("aice", "ice fraction (for open water left out)"))
+    needs = ([("aice", "ice fraction (for open water left out)")] if need_ice else []) + (
+        [("aice", f"ice fraction (--domain {domain}'s selection)")] if domain != TOOLKIT else []) + (
+        [("thick", f"ocean cell thickness (--mask thickness-tair: {THICKNESS_TAIR})"),
+         ("tair", f"air temperature (--mask thickness-tair: {THICKNESS_TAIR})")] if thickness_tair else [])
+    for name, what in needs:
+        if name not in (*inputs, *outputs) and name not in dict(wanted):
+            wanted.append((name, what))
     for name, what in wanted:
         tried = candidate_names(name, variables)
         standard = () if variables and name in variables else CF_NAMES.get(name, ())
@@ -299,54 +347,99 @@ def resolve_variables(
             if ambiguous is not None:
                 raise ambiguous
         found[name] = hit
-    mask = ""
-    if mask_variable:
-        tried = list(MASK_NAMES) if mask_variable == AUTO else [mask_variable]
+    mask_key = ""
+    if mask_variable and not thickness_tair:
+        tried = list(rule.mask_names) if mask_variable == AUTO else [mask_variable]
         hit = find_variable(sources, tried)
         if hit is None:
-            raise _missing(sources, tried[0], "mask", tried, ' (--mask-variable NAME; "" for every cell)')
-        mask = hit[1]
-        found[mask] = hit
+            cf = any(AIBALANCE_CF["thick"] in s.ds.variables for s in sources) and domain == TOOLKIT
+            hint = (" (a CF file: --mask thickness-tair draws aibalance's ocean from sea_water_cell_thickness and "
+                    "tair)" if cf else ' (--mask-variable NAME; "" for every cell)')
+            raise _missing(sources, tried[0], "mask", tried, hint)
+        mask_key = hit[1]
+        found[mask_key] = hit
     lat = ""
-    if need_lat:
-        if lat_variable == AUTO:
-            paired = LAT_FOR_MASK.get(mask)
+    if need_lat or rule.pole:
+        if lat_variable == AUTO and rule.lat_names is not None:
+            tried = list(rule.lat_names)
+            hit = find_variable(sources, tried)
+        elif lat_variable == AUTO:
+            paired = LAT_FOR_MASK.get(mask_key)
             tried = [*([paired] if paired else []), *[n for n in LAT_NAMES if n != paired]]
             hit = find_variable(sources, tried, CF_NAMES["lat"])
         else:
             tried = [lat_variable]
             hit = find_variable(sources, tried)
         if hit is None:
-            raise _missing(sources, tried[0], "latitude", tried, " (--lat-variable NAME; or --min-abs-lat 0 and "
-                           "--hemisphere both)", standard=lat_variable == AUTO)
+            hint = (" (--lat-variable NAME)" if domain != TOOLKIT else
+                    " (--lat-variable NAME; or --min-abs-lat 0 and --hemisphere both)")
+            raise _missing(sources, tried[0], "latitude", tried, hint,
+                           standard=lat_variable == AUTO and rule.lat_names is None)
         lat = hit[1]
         found[lat] = hit
-    fields = {name: hit for name, hit in found.items() if name not in (mask, lat)}
+    fields = {name: hit for name, hit in found.items() if name not in (mask_key, lat)}
     if len(sources) > 1 and all(source is sources[0] for source, _ in fields.values()):
         raise UsageError(
             f"{sources[1].flag} {sources[1].path}: no field was taken from it: {sources[0].flag} {sources[0].path} "
             f"(searched first) holds all of {', '.join(fields)}; leave {sources[1].flag} out"
         )
-    check_same_grid(sources, fields)
-    return found, mask, lat
+    return found, mask_key, lat
 
 
-def check_same_grid(sources: list[Source], found: dict[str, tuple[Source, str]]) -> None:
+def field_view(sources: list[Source], found: dict[str, tuple[Source, str]], mask: str = "",
+               lat: str = "") -> tuple[FieldView, dict[str, Level], str]:
+    """The found variables as 2-D fields on one grid, keyed as `found` is: leading length-1 dimensions dropped, a
+    trailing level dimension read at the file's surface level (ufs_cf.at_surface), a Gaussian file's 1-D latitude or
+    longitude broadcast to its grid, the two files checked to share one grid and, both Gaussian, the atmosphere's
+    fields matched to the ocean's cells by coordinate value. Returns (the view, {key: Level} for the fields read at
+    a level, a line saying what the matching reordered, or "")."""
+    axes = {source.flag: file_axes(source) for source in sources}
+    grids = [a.dims for a in axes.values() if a is not None]
+    arrays, levels = {}, {}
+    for key, (source, var) in found.items():
+        own = axes[source.flag]
+        if own is not None and own.gaussian and var in (own.lat, own.lon):
+            arrays[key] = broadcast_axis(source, own, var)
+            continue
+        arrays[key], level = at_surface(source.ds[var], var, source, grids)
+        if level is not None:
+            levels[key] = level
+    gaussian_pair = len(sources) > 1 and all(a is not None and a.gaussian for a in axes.values())
+    if gaussian_pair:  # the atmosphere's grid dimensions under the ocean's names: its fields are matched by them
+        reference, other = sources
+        rename = {own: ref for own, ref in zip(axes[other.flag].dims, axes[reference.flag].dims, strict=True)
+                  if own != ref}
+        for key, (source, _) in found.items():
+            if source is other and rename:
+                arrays[key] = arrays[key].rename(rename)
+    view = FieldView(arrays, dict(sources[0].ds.attrs))
+    fields = {key: hit for key, hit in found.items() if key not in (mask, lat)}
+    check_same_grid(sources, fields, view)
+    line = ""
+    if gaussian_pair:
+        take, line = alignment(reference, axes[reference.flag], other, axes[other.flag])
+        for key, (source, _) in found.items():
+            if source is other and take:
+                arrays[key] = arrays[key].isel(take)
+    return view, levels, line
+
+
+def check_same_grid(sources: list[Source], found: dict[str, tuple[Source, str]], view) -> None:
     """Two files must hold their fields on one grid: the first field of each decides (one error naming both; the
-    second's dimensions matched to the first's by name)."""
-    first: dict[str, tuple[str, Source]] = {}
-    for source, var in found.values():
+    second's dimensions matched to the first's by name). `view` holds the fields as read (at their level)."""
+    first: dict[str, tuple[str, str]] = {}
+    for key, (source, var) in found.items():
         if source.flag not in first:
-            first[source.flag] = (var, source)
+            first[source.flag] = (key, var)
     if len(first) < 2:
         return
-    (a, (var_a, source_a)), (b, (var_b, source_b)) = first.items()
-    array_a = grid_field(source_a.ds, var_a, source_a.path)
-    both = f"{source_a.path} (with {b} {source_b.path})"
+    (a, (key_a, var_a)), (b, (key_b, var_b)) = first.items()
+    path = {s.flag: s.path for s in sources}
+    array_a = grid_field(view, key_a, path[a], variable=var_a)
+    both = f"{path[a]} (with {b} {path[b]})"
     shape_a = tuple(array_a.shape)
-    shape_b = tuple(grid_field(source_b.ds, var_b, both, like=(var_a, array_a)).shape)
+    shape_b = tuple(grid_field(view, key_b, both, like=(var_a, array_a), variable=var_b).shape)
     if shape_a != shape_b:
-        path = {s.flag: s.path for s in sources}
         raise UsageError(
             f"{a} {path[a]} and {b} {path[b]} are on different grids: {var_a!r} is {shape_a} in the first, "
             f"{var_b!r} is {shape_b} in the second; the ocean and atmosphere files must share one grid"
@@ -358,11 +451,21 @@ def describe_variables(meta: dict) -> str:
     CICE history names; this says which were taken)."""
     names = meta["variables"]
     parts = [f"{name}<-{names[name]}" for name in [*meta["inputs"], *meta["outputs"]]]
+    parts += [f"{name}<-{variable}" for name, variable in (meta.get("selection_variables") or {}).items()]
     parts += [f"{what}<-{meta[key]}" for what, key in (("mask", "mask_variable"), ("lat", "lat_variable"))
               if meta.get(key)]
     atmosphere = meta.get("from_atmosphere") or []
     tail = f"; from --data-atmos: {', '.join(atmosphere)}" if atmosphere else ""
     return f"variables: {', '.join(parts)}{tail}"
+
+
+def describe_layout(meta: dict) -> list[str]:
+    """The lines that say how the files were read and which cells are patterns: the level taken of fields with a
+    level dimension, the atmosphere's cells matched to the ocean's by coordinate value, and the domain's rule."""
+    lines = [meta[key] for key in ("levels", "reordered") if meta.get(key)]
+    if meta.get("where"):
+        lines.append(f"domain ({meta.get('domain', TOOLKIT)}): {meta['where']}")
+    return lines
 
 
 @dataclass
@@ -373,6 +476,9 @@ class Selection:
     is_valid: np.ndarray
     grid_shape: tuple[int, int]
     domain_cells: int  # cells in the sea-ice domain before thinning and capping
+    domain: str = TOOLKIT  # whose selection (--domain)
+    where: str = ""  # the domain's cells in words, e.g. "umask == 1 and ULAT > 40 and 0 < aice <= 1"
+    depends_on_world: bool = False  # the cap depends on the process count (SOCA's per rank, --max-patterns-per-rank)
 
 
 # Plausible values by unit (the `units` attribute, so CICE and CF names alike), and for the ice fraction by name.
@@ -439,17 +545,31 @@ def select_patterns(
     seed: int,
     hemisphere: str = "both",
     ice_variable: str = "",
+    domain: str = TOOLKIT,
+    mask: str = "variable",
+    max_patterns_per_rank: int = 0,
+    world: int = 1,
 ) -> Selection:
-    """Domain cells (ocean, |lat| >= min_abs_lat in the `hemisphere`: north, south or both; with `ice_variable`
-    only cells where it is > 0, i.e. open water left out), every `thin`-th, at most `max_patterns` (keyed subset),
-    with a keyed validation coin per cell. Reads only the mask, latitude and ice fields; identical on every rank."""
+    """The domain's cells as `domain` selects them (ufs_domains), every `thin`-th, capped as the domain caps, with a
+    keyed validation coin per cell. Reads only the mask, latitude, ice (and thick/tair) fields; identical on every
+    rank. --domain toolkit: ocean (mask "variable": `mask_variable` > 0.5; "thickness-tair": ufs_domains'), |lat| >=
+    min_abs_lat in the `hemisphere` (north, south or both), with `ice_variable` only cells where it is > 0 (open
+    water left out); at most `max_patterns` (or `max_patterns_per_rank` x `world`, the smaller), a keyed subset. A
+    team's domain: its own comparisons and cap (mask_variable == 1; SOCA: lat beyond 40 in the hemisphere, 0 < aice
+    <= 1, the first `max_patterns_per_rank` of each of `world` ranks' strides; aibalance: its ice condition, the
+    first `max_patterns` in grid order); `ice_variable` defaults to "aice" there."""
+    rule = domain_rule(domain)
+    kind = mask_kind(domain, mask)
     if hemisphere not in HEMISPHERES:
         raise UsageError(f"--hemisphere {hemisphere} is invalid; give one of {', '.join(HEMISPHERES)}")
+    team = domain != TOOLKIT
+    if team:
+        ice_variable = ice_variable or "aice"
     first = (names[0], grid_field(ds, names[0], path))  # every other field's dimensions are matched to its by name
     shape = first[1].shape
     for name in names:
-        kind = grid_field(ds, name, path).dtype.kind
-        if kind not in "fiub":
+        kind_of = grid_field(ds, name, path).dtype.kind
+        if kind_of not in "fiub":
             raise UsageError(f"--data {path}: variable {name!r} holds {grid_field(ds, name, path).dtype} values, not "
                              "numbers; every input and output must be a numeric field")
     for name in names[1:]:
@@ -458,61 +578,83 @@ def select_patterns(
                 f"--data {path}: variable {name!r} has grid {grid_field(ds, name, path, like=first).shape}, "
                 f"{names[0]!r} has {shape}; every field must be on the same grid"
             )
-    domain = np.ones(shape, dtype=bool)
-    if mask_variable:
-        require_variables(ds, path, [mask_variable], 'mask (--mask-variable; "" for none)')
-        mask = grid_field(ds, mask_variable, path, like=first)
-        if mask.shape != shape:
-            raise UsageError(f"--data {path}: mask {mask_variable!r} has grid {mask.shape}, the fields {shape}; "
-                             "the mask must be on the fields' grid")
-        if mask.dtype.kind not in "fiub":
-            raise UsageError(f"--data {path}: mask {mask_variable!r} holds {mask.dtype} values; a mask is 0/1 numbers")
-        domain &= np.nan_to_num(np.asarray(mask.values, dtype=np.float64)) > 0.5
-    if min_abs_lat > 0 or hemisphere != "both":
-        require_variables(ds, path, [lat_variable], "latitude (--lat-variable; or --min-abs-lat 0)")
-        lat_field = grid_field(ds, lat_variable, path, like=first)
-        if lat_field.dtype.kind not in "fiu":
-            raise UsageError(f"--data {path}: latitude {lat_variable!r} holds {lat_field.dtype} values; latitudes are "
+
+    def on_grid(name: str, what: str, hint: str = "") -> np.ndarray:
+        """A field the selection reads, on the fields' grid, as stored (a team compares the stored values)."""
+        require_variables(ds, path, [name], f"{what}{f' ({hint})' if hint else ''}")
+        array = grid_field(ds, name, path, like=first)
+        if array.shape != shape:
+            raise UsageError(f"--data {path}: {what} {name!r} has grid {array.shape}, the fields {shape}; it must be "
+                             "on the fields' grid")
+        if array.dtype.kind not in "fiub":
+            raise UsageError(f"--data {path}: {what} {name!r} holds {array.dtype} values; it must hold numbers")
+        return np.asarray(array.values)
+
+    domain_grid = np.ones(shape, dtype=bool)
+    where: list[str] = []
+    if kind == "thickness-tair":
+        domain_grid &= thickness_tair_ocean(on_grid("thick", "ocean cell thickness", "--mask thickness-tair"),
+                                            on_grid("tair", "air temperature", "--mask thickness-tair"))
+        where.append(THICKNESS_TAIR)
+    elif mask_variable:
+        values = on_grid(mask_variable, "mask", '--mask-variable; "" for none')
+        if team:
+            domain_grid &= values == 1
+            where.append(f"{mask_variable} == 1")
+        else:
+            domain_grid &= np.nan_to_num(np.asarray(values, dtype=np.float64)) > 0.5
+            where.append(f"{mask_variable} > 0.5")
+    bounded = rule.pole if team else (min_abs_lat > 0 or hemisphere != "both")
+    if bounded:
+        stored = on_grid(lat_variable, "latitude", "--lat-variable" if team else "--lat-variable; or --min-abs-lat 0")
+        if stored.dtype.kind not in "fiu":
+            raise UsageError(f"--data {path}: latitude {lat_variable!r} holds {stored.dtype} values; latitudes are "
                              "degrees north (numbers)")
-        lat = np.asarray(lat_field.values, dtype=np.float64)
-        if lat.shape != shape:
-            raise UsageError(f"--data {path}: latitude {lat_variable!r} has grid {lat.shape}, the fields {shape}")
-        off_earth = domain & np.isfinite(lat) & (np.abs(lat) > 90)  # the cells the mask keeps (land may hold fill)
+        lat = np.asarray(stored, dtype=np.float64)
+        off_earth = domain_grid & np.isfinite(lat) & (np.abs(lat) > 90)  # the cells the mask keeps (land: fill)
         if off_earth.any():
             raise UsageError(
                 f"--data {path}: latitude {lat_variable!r} has {int(off_earth.sum())} values outside -90 .. 90 "
                 f"(e.g. {lat[off_earth][0]:g}) in the cells the mask keeps; latitudes are degrees north: check the "
                 "file, or name the latitude variable with --lat-variable"
             )
-        lat = np.nan_to_num(lat)
-        poleward = {"both": np.abs(lat), "north": lat, "south": -lat}[hemisphere]
-        domain &= poleward >= min_abs_lat
-    if ice_variable:
-        ice = grid_field(ds, ice_variable, path, like=first)
-        if ice.shape != shape:
-            raise UsageError(f"--data {path}: {ice_variable!r} has grid {ice.shape}, the fields {shape}")
-        domain &= np.nan_to_num(np.asarray(ice.values, dtype=np.float64)) > 0
-    cells = np.flatnonzero(domain.ravel())
-    domain_cells = len(cells)
-    if domain_cells == 0:
-        where = []
-        if mask_variable:
-            where.append(f"{mask_variable} > 0.5")
-        if min_abs_lat > 0 or hemisphere != "both":
+        if team:  # SOCA: lat > 40.0 (north), lat < -40.0 (south), on the stored values
+            domain_grid &= stored > 40.0 if hemisphere == "north" else stored < -40.0
+            where.append(f"{lat_variable} > 40" if hemisphere == "north" else f"{lat_variable} < -40")
+        else:
+            lat = np.nan_to_num(lat)
+            poleward = {"both": np.abs(lat), "north": lat, "south": -lat}[hemisphere]
+            domain_grid &= poleward >= min_abs_lat
             where.append({"both": f"|{lat_variable}| >= {min_abs_lat}", "north": f"{lat_variable} >= {min_abs_lat}",
                           "south": f"{lat_variable} <= {-min_abs_lat:g}"}[hemisphere])
-        if ice_variable:
+    if ice_variable:
+        ice = on_grid(ice_variable, "ice fraction")
+        if team:
+            keep, words = team_ice(domain, ice)
+            domain_grid &= keep
+            where.append(words.replace("aice", ice_variable))
+        else:
+            domain_grid &= np.nan_to_num(np.asarray(ice, dtype=np.float64)) > 0
             where.append(f"{ice_variable} > 0")
+    cells = np.flatnonzero(domain_grid.ravel())
+    domain_cells = len(cells)
+    if domain_cells == 0:
+        check = ("--domain / --hemisphere / the file" if team else
+                 "--mask-variable / --min-abs-lat / --hemisphere / --no-open-water")
         raise UsageError(
             f"--data {path}: the sea-ice domain is empty: no cell has {' and '.join(where) or 'data'}; "
-            "check --mask-variable / --min-abs-lat / --hemisphere / --no-open-water"
+            f"check {check}"
         )
-    cells = cells[::thin]
-    if max_patterns and len(cells) > max_patterns:
-        coins = keyed_uniform(seed, CAP_COIN, 0, torch.from_numpy(cells)).numpy()
-        cells = np.sort(cells[np.argsort(coins, kind="stable")[:max_patterns]])
+    cells = cap_cells(domain, cells[::thin], max_patterns=max_patterns, max_patterns_per_rank=max_patterns_per_rank,
+                      world=world, seed=seed)
+    if len(cells) == 0:  # SOCA's MPI_MIN over ranks whose strides hold no domain cell
+        raise UsageError(
+            f"--data {path}: --domain {domain} on {world} processes leaves no pattern: a rank's stride (cells r, "
+            f"r + {world}, ...) holds no domain cell and every rank keeps the smallest count; use fewer processes"
+        )
     is_valid = keyed_uniform(seed, VALIDATION_COIN, 0, torch.from_numpy(cells)).numpy() < val_fraction
-    return Selection(cells, is_valid, tuple(shape), domain_cells)
+    return Selection(cells, is_valid, tuple(shape), domain_cells, domain, " and ".join(where),
+                     depends_on_world(domain, max_patterns_per_rank))
 
 
 def read_shard(ds, path, names, cells: np.ndarray, rank: int, world: int) -> np.ndarray:
@@ -594,16 +736,56 @@ def never_written(values: torch.Tensor) -> torch.Tensor:
 
 
 def patterns_fingerprint(path: Path, atmos_path: Path | None, meta: dict, thin: int,
-                         max_patterns_per_rank: int) -> str:
+                         max_patterns_per_rank: int, depends_on_world: bool | None = None) -> str:
     """What the patterns are made from: the content of both files (either changing changes the data) and, when a cap
-    per process cut the domain, the number taken (another process count is another subset, which a resume must
-    refuse). The selection flags themselves are config.json's, compared on resume."""
+    that depends on the process count cut the domain (--max-patterns-per-rank; SOCA's per rank), the number taken
+    (another process count is another subset, which a resume must refuse). The selection flags themselves are
+    config.json's, compared on resume."""
     fingerprint = file_fingerprint(path, FORMAT_VERSION)
     if atmos_path is not None:
         fingerprint += "+" + file_fingerprint(atmos_path, FORMAT_VERSION)
-    if max_patterns_per_rank and meta["patterns"] < math.ceil(meta["domain_cells"] / thin):
+    per_world = bool(max_patterns_per_rank) if depends_on_world is None else depends_on_world
+    if per_world and meta["patterns"] < math.ceil(meta["domain_cells"] / thin):
         fingerprint += f"/{meta['patterns']}"
     return fingerprint
+
+
+@dataclass
+class Fields:
+    """What open_fields found: the view (keys: our names, the mask's and the latitude's names), {key: (file, name
+    there)}, the mask and latitude keys ("" = none), the levels read, the line on a reordered atmosphere, and the
+    label of the file(s) for messages."""
+
+    view: FieldView
+    found: dict
+    mask_key: str
+    lat: str
+    levels: dict
+    reordered: str
+    label: str
+
+
+@contextlib.contextmanager
+def open_fields(path: Path | str, atmos_path: Path | str | None = None, *, inputs=DEFAULT_INPUTS,
+                outputs=DEFAULT_OUTPUTS, variables: dict[str, str] | None = None, mask_variable: str = AUTO,
+                lat_variable: str = AUTO, need_lat: bool = True, need_ice: bool = False, domain: str = TOOLKIT,
+                mask: str = "variable"):
+    """The file (and the atmosphere file) open, every variable found (resolve_variables) and read as training reads
+    it (field_view: surface levels, Gaussian axes broadcast, the pair matched by coordinate value): a Fields, for
+    select_patterns and read_shard. Closed on exit."""
+    path = Path(path).expanduser()
+    with contextlib.ExitStack() as files:
+        sources = [Source("--data", path, files.enter_context(open_dataset(path)))]
+        if atmos_path is not None:
+            atmos_path = Path(atmos_path).expanduser()
+            sources.append(Source("--data-atmos", atmos_path,
+                                  files.enter_context(open_dataset(atmos_path, "--data-atmos"))))
+        found, mask_key, lat = resolve_variables(sources, list(inputs), list(outputs), variables=variables,
+                                                 mask_variable=mask_variable, lat_variable=lat_variable,
+                                                 need_lat=need_lat, need_ice=need_ice, domain=domain, mask=mask)
+        view, levels, reordered = field_view(sources, found, mask_key, lat)
+        label = f"{path} (with --data-atmos {atmos_path})" if atmos_path is not None else str(path)
+        yield Fields(view, found, mask_key, lat, levels, reordered, label)
 
 
 def load_patterns(
@@ -625,53 +807,52 @@ def load_patterns(
     hemisphere: str = "both",
     open_water: bool = True,
     max_patterns_per_rank: int = 0,
+    domain: str = TOOLKIT,
+    mask: str = "variable",
 ) -> UfsPatterns:
     """Find the variables (explicit `variables` {our name: name in the file}, else ours, CICE's, CF's; in `path`
-    and the optional atmosphere file `atmos_path`, which must be on the same grid), select the patterns (the mask:
-    "auto" tries tmask then umask, "" none; the latitudes: "auto" takes the mask's own, TLAT or ULAT, first;
-    `hemisphere`; `open_water` False leaves aice <= 0 out; a cap of `max_patterns`, or of `max_patterns_per_rank`
-    x the process count, the smaller), read this rank's strided share, refuse NaNs (counted over all ranks), merge
-    the training statistics over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every
-    shard in pattern order on every rank. A collective: every rank calls it."""
+    and the optional atmosphere file `atmos_path`, which must be on the same grid; fields with a trailing level
+    read at the surface, a Gaussian pair matched by coordinate value: field_view), select the patterns as `domain`
+    does (ufs_domains; --domain toolkit: the mask "auto" tries tmask then umask, "" none, or `mask`
+    "thickness-tair"; the latitudes: "auto" takes the mask's own, TLAT or ULAT, first; `hemisphere`; `open_water`
+    False leaves aice <= 0 out; a cap of `max_patterns`, or of `max_patterns_per_rank` x the process count, the
+    smaller), read this rank's strided share, refuse NaNs (counted over all ranks), merge the training statistics
+    over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every shard in pattern order
+    on every rank. A collective: every rank calls it."""
     from toolkit.distributed import merge_moments, std_from_moments
 
+    check_domain(domain, mask=mask, mask_variable=mask_variable, lat_variable=lat_variable, min_abs_lat=min_abs_lat,
+                 hemisphere=hemisphere, open_water=open_water, max_patterns=max_patterns,
+                 max_patterns_per_rank=max_patterns_per_rank)
     path = data_path = Path(path).expanduser()
     inputs, outputs = list(inputs), list(outputs)
     rank, world = accelerator.process_index, accelerator.num_processes
     cap = min((c for c in (max_patterns, max_patterns_per_rank * world) if c), default=0)
-    with contextlib.ExitStack() as files:
-        sources = [Source("--data", path, files.enter_context(open_dataset(path)))]
-        if atmos_path is not None:
-            atmos_path = Path(atmos_path).expanduser()
-            sources.append(Source("--data-atmos", atmos_path,
-                                  files.enter_context(open_dataset(atmos_path, "--data-atmos"))))
-        found, mask, lat = resolve_variables(
-            sources,
-            inputs,
-            outputs,
-            variables=variables,
-            mask_variable=mask_variable,
-            lat_variable=lat_variable,
-            need_lat=min_abs_lat > 0 or hemisphere != "both",
-            need_ice=not open_water,
-        )
-        ds = FieldView({name: source.ds[var] for name, (source, var) in found.items()}, dict(sources[0].ds.attrs))
-        if len(sources) > 1:  # the messages below name both files
-            path = f"{path} (with --data-atmos {atmos_path})"
+    toolkit_domain = domain == TOOLKIT
+    with open_fields(path, atmos_path, inputs=inputs, outputs=outputs, variables=variables,
+                     mask_variable=mask_variable, lat_variable=lat_variable,
+                     need_lat=toolkit_domain and (min_abs_lat > 0 or hemisphere != "both"), need_ice=not open_water,
+                     domain=domain, mask=mask) as fields:
+        ds, found, mask_key, lat, path = fields.view, fields.found, fields.mask_key, fields.lat, fields.label
+        atmos_path = None if atmos_path is None else Path(atmos_path).expanduser()
         names = inputs + outputs
         selection = select_patterns(
             ds,
             path,
             names=names,
-            mask_variable=mask,
+            mask_variable=mask_key,
             lat_variable=lat,
             min_abs_lat=min_abs_lat,
             thin=thin,
-            max_patterns=cap,
+            max_patterns=max_patterns,
             val_fraction=val_fraction,
             seed=seed,
             hemisphere=hemisphere,
             ice_variable="" if open_water else "aice",
+            domain=domain,
+            mask=mask,
+            max_patterns_per_rank=max_patterns_per_rank,
+            world=world,
         )
         shard = torch.from_numpy(read_shard(ds, path, names, selection.cells, rank, world))
         units = {name: str(ds[name].attrs.get("units", "")) for name in names}
@@ -747,14 +928,22 @@ def load_patterns(
         "valid_patterns": len(valid),
         "attributes": attributes,
         "variables": {name: found[name][1] for name in names},
+        # what only the selection reads (thick for --mask thickness-tair; aice for a team's domain when not an output)
+        "selection_variables": {key: var for key, (_, var) in found.items() if key not in (*names, mask_key, lat)},
         "from_atmosphere": [name for name in names if found[name][0].flag == "--data-atmos"],
-        "mask_variable": mask,
+        "mask_variable": mask_key,
         "lat_variable": lat,
         "hemisphere": hemisphere,
         "open_water": open_water,
-        "max_patterns": cap,
+        "max_patterns": cap if toolkit_domain else max_patterns or max_patterns_per_rank * world,
+        "domain": domain,
+        "mask": mask_kind(domain, mask),
+        "where": selection.where,  # the domain's cells in words
+        "levels": describe_levels(fields.levels),  # "" when no field had a level dimension
+        "reordered": fields.reordered,  # "" unless the atmosphere's cells were matched to the ocean's by value
     }
-    meta["fingerprint"] = patterns_fingerprint(data_path, atmos_path, meta, thin, max_patterns_per_rank)
+    meta["fingerprint"] = patterns_fingerprint(data_path, atmos_path, meta, thin, max_patterns_per_rank,
+                                               selection.depends_on_world)
     return UfsPatterns(
         train[:, :n_in],
         train[:, n_in:],
@@ -829,22 +1018,34 @@ def synthesize(
     *,
     naming: str = "ours",
     atmos_out: Path | str | None = None,
+    layout: str = "cice",
 ) -> Path:
     """Write a CICE-like netCDF file (dims time=1, nj, ni; TLAT/TLON/tmask) with the 14 input fields and aice.
 
     naming="cice": the fields carry the CICE history names (sst_h, Tair_h, Qref_h, aice_h, ...; the same values
     and units) and the file also holds the U-cell mask and coordinates (umask: a T cell whose east, north and
     north-east neighbours are ocean too; ULAT/ULON half a cell to the north-east). atmos_out: the atmospheric
-    fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON; the rest stay in `out`."""
+    fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON; the rest stay in `out`.
+
+    layout="gaussian-cf" (atmos_out required): the pair aibalance reads today (ufs_cf.write_gaussian_cf): a Gaussian
+    grid (latitudes north to south, longitudes 0 .. 360), 1-D latitude/longitude, CF names, the ocean/ice fields
+    and sea_water_cell_thickness (lat, lon, lev) with the surface at lev 0, the atmosphere's (lat, lon)."""
     if naming not in ("ours", "cice"):
         raise UsageError(f"--naming {naming} is invalid; give ours or cice")
+    if layout not in LAYOUTS:
+        raise UsageError(f"--layout {layout} is invalid; give one of {', '.join(LAYOUTS)}")
+    if layout == "gaussian-cf" and atmos_out is None:
+        raise UsageError("--layout gaussian-cf writes a pair of files: give --atmos-out for the atmosphere's")
     xr = extras.xarray()
     from tqdm.auto import tqdm
 
     out = Path(out).expanduser()
     rng = np.random.default_rng(seed)
-    lat1 = (np.arange(nlat) + 0.5) * 180.0 / nlat - 90.0
-    lon1 = (np.arange(nlon) + 0.5) * 360.0 / nlon
+    if layout == "gaussian-cf":
+        lat1, lon1 = gaussian_latitudes(nlat), np.arange(nlon) * 360.0 / nlon
+    else:
+        lat1 = (np.arange(nlat) + 0.5) * 180.0 / nlat - 90.0
+        lon1 = (np.arange(nlon) + 0.5) * 360.0 / nlon
     lat, lon = np.meshgrid(lat1, lon1, indexing="ij")
     s = _smooth_fields(rng, lat, lon, 15)
     polar = np.clip((np.abs(lat) - 40.0) / 50.0, 0.0, 1.0)  # 0 at 40 degrees, 1 at the poles
@@ -863,6 +1064,18 @@ def synthesize(
     f["fswdn"] = np.maximum(250.0 * (1 - 0.8 * polar) + 40.0 * s[13], 0.0)
     aice = clean_aice(f) + sigma * rng.standard_normal(lat.shape)
     ocean = s[14] > np.quantile(s[14], land_fraction)
+    attributes = {
+        "title": "synthetic GDAS-like CICE/MOM6 fields for the UFS sea-ice emulator",
+        "noise_sigma": float(sigma),
+        "aice_formula": AICE_FORMULA,
+        "seed": int(seed),
+        "generator": "python -m toolkit.data.ufs synth",
+    }
+    if layout == "gaussian-cf":
+        units = {name: FIELDS[name][0] for name in FIELDS} | {"aice": "1"}
+        write_gaussian_cf(out, Path(atmos_out).expanduser(), lat1, lon1, {**f, "aice": aice}, units, ocean,
+                          attributes | {"layout": "gaussian-cf"})
+        return out
     rename = (lambda name: CICE_NAMES.get(name, name)) if naming == "cice" else (lambda name: name)
     dims = ("time", "nj", "ni")
     ocean_vars, atmos_vars = {}, {}
@@ -886,13 +1099,6 @@ def synthesize(
         coordinates["ULON"] = xr.Variable(("nj", "ni"), (lon + 180.0 / nlon).astype(np.float32),
                                           {"units": "degrees_east"})
     ocean_vars.update(coordinates)
-    attributes = {
-        "title": "synthetic GDAS-like CICE/MOM6 fields for the UFS sea-ice emulator",
-        "noise_sigma": float(sigma),
-        "aice_formula": AICE_FORMULA,
-        "seed": int(seed),
-        "generator": "python -m toolkit.data.ufs synth",
-    }
     time = {"time": ("time", np.array([0.0]), {"units": "days since 2021-01-01"})}
     files = [(Path(out).expanduser(), ocean_vars)]
     if atmos_out is not None:
@@ -919,9 +1125,24 @@ def main(argv: list[str] | None = None) -> None:
     synth.add_argument("--nlat", type=int, default=180, help="grid rows (latitudes)")
     synth.add_argument("--nlon", type=int, default=360, help="grid columns (longitudes)")
     synth.add_argument("--sigma", type=float, default=0.05, help="standard deviation of the noise added to aice")
-    synth.add_argument("--naming", default="ours", help="variable names: ours (sst, aice, ...) or cice (sst_h, ...)")
+    synth.add_argument("--naming", help="variable names with --layout cice: ours (sst, aice, ...; the default) or "
+                       "cice (sst_h, ...)")
     synth.add_argument("--atmos-out", type=Path, help="write the atmospheric fields to this second file")
+    synth.add_argument("--layout", default="cice", help="cice (the default: CICE history layout, (time, nj, ni) "
+                       "fields, 2-D TLAT/TLON, tmask) or gaussian-cf (aibalance's pair, --atmos-out required: a "
+                       "Gaussian grid, 1-D latitude/longitude, CF names, ocean fields (lat, lon, lev), surface at "
+                       "lev 0, and sea_water_cell_thickness)")
     args = parser.parse_args(argv)
+    if args.layout not in LAYOUTS:
+        raise UsageError(f"--layout {args.layout} is invalid; give cice (CICE history files) or gaussian-cf "
+                         "(aibalance's CF pair on a Gaussian grid)")
+    if args.layout == "gaussian-cf" and args.naming is not None:
+        raise UsageError(f"--naming {args.naming}: --layout gaussian-cf writes CF names; --naming is for --layout "
+                         "cice")
+    if args.layout == "gaussian-cf" and args.atmos_out is None:
+        raise UsageError("--layout gaussian-cf writes a pair of files: give --atmos-out FILE for the atmosphere's "
+                         "(--out is the ocean/ice file)")
+    args.naming = args.naming or "ours"
     if args.nlat < 2 or args.nlon < 2:
         raise UsageError(f"--nlat {args.nlat} / --nlon {args.nlon}: the grid needs at least 2 x 2 cells")
     if not (args.sigma >= 0 and math.isfinite(args.sigma)):
@@ -934,7 +1155,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.atmos_out is not None and args.atmos_out.expanduser().resolve() == args.out.expanduser().resolve():
         raise UsageError(f"--atmos-out {args.atmos_out} is the --out file; give the atmosphere its own file")
     path = synthesize(args.out, seed=args.seed, nlat=args.nlat, nlon=args.nlon, sigma=args.sigma, naming=args.naming,
-                      atmos_out=args.atmos_out)
+                      atmos_out=args.atmos_out, layout=args.layout)
+    if args.layout == "gaussian-cf":
+        print(f"wrote {path} (ocean/ice, (lat, lon, lev) fields, surface at lev 0) and {args.atmos_out} "
+              f"(atmosphere: {', '.join(CF_ATMOSPHERE)}): {args.nlat} x {args.nlon} Gaussian grid, CF names "
+              f"(noise sigma {args.sigma})")
+        return
     where = f" ({', '.join(ATMOSPHERE_FIELDS)} in {args.atmos_out})" if args.atmos_out else ""
     print(f"wrote {path}: {args.nlat} x {args.nlon} grid, 14 inputs and aice{where} (noise sigma {args.sigma}, "
           f"{args.naming} names)")

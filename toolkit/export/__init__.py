@@ -1,8 +1,10 @@
 """Export a trained run for use outside Python, and run it on a netCDF file.
 
     python -m toolkit.export aoti RUN_DIR --out emulator.pt2 [--step N]
-    python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc [--step N]
+    python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|soca] [--step N]
+    python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc [--step N] [--data-atmos ATMOS.nc]
     python -m toolkit.export predict --model emulator.pt2 --data IN.nc --out OUT.nc
+    python -m toolkit.export predict RUN_DIR --data IN.nc --out soca.nc --layout soca --plot maps/ [--whole-grid]
 
 Both load the run's config.json and the weights of its best-validation checkpoint (summary.json's best_step; for a
 run that has not finished, the best step recorded in its newest complete checkpoint; --step N picks another
@@ -16,19 +18,37 @@ UfsEmulator.predict_with_jacobian). The package's metadata holds `inputs` and `o
 `meta.json` (names, units, checkpoint, how the training selected its domain). C++ loads it with
 torch::inductor::AOTIModelPackageLoader (export/cpp/), Python with torch._inductor.aoti_load_package.
 
-`predict` runs the model (a run's, or --model an exported package) on every cell of IN.nc's sea-ice domain,
-selected as the training selected it (toolkit.data.ufs.select_patterns with the run's mask variable, latitude
-variable, latitude bound and hemisphere; no thinning, no cap; open water stays in: aice is what is emulated; each
-input under the name the training's file had for it, else ours), and writes OUT.nc on IN.nc's grid: each output
-(e.g. `aice`), its Jacobian as one variable per input named d<output>_d<input> (e.g. `daice_dsst`, units aice's
-per sst's), longitude and latitude, and `domain_mask`; fill values (1e30, as CICE writes) outside the domain; CF
-attributes (long_name, units, _FillValue, coordinates). The file is written whole or not at all (temporary file,
-rename).
+`torchscript` writes a TorchScript archive for the programs that load TorchScript (torch 2.13 deprecates it: `aoti`
+is the artefact for new deployments; torch's deprecation warnings for this export are silenced inside it only).
+`--format aibalance` (the default) is aibalance's layout (guillaumevernieres/aibalance, export_to_torchscript.py):
+methods predict (physical -> physical), jac (d y_norm / d x_norm) and jac_physical, float64 out, and its metadata
+attributes (input_names, output_names, input_levels, output_levels, meta) plus meta.json as an extra file.
+`--format soca` is SOCA MLBalance's layout: MODEL.pt as `torch::load(net, file)` reads it (layers fc1, fc2, ...,
+buffers input_mean, input_std, ...) and normalization.MODEL.pt as IceNet.h's loadNorm reads it ([input mean, input
+std], then the output's); export/cpp/ufs_net.h is the network class that reads them (toolkit.export.soca). An
+existing --out file is replaced whole, as by `aoti`.
+
+`predict` runs the model (a run's, or --model an exported package) on every cell of IN.nc's sea-ice domain (with
+--data-atmos, of the ocean/ice + atmosphere pair on one grid, as the training reads a pair), selected as the run
+selected it: toolkit.data.ufs.select_patterns with every domain option of the run's config (mask and latitude
+variables as the training resolved them, latitude bound, hemisphere, --no-open-water, and any option select_patterns
+takes under a config field's name; no thinning, no cap), said in one printed line; --whole-grid takes every ocean
+cell instead (the mask only). Each input is read under the name the training's file had for it, else ours, CICE's
+or CF's. It writes OUT.nc on IN.nc's grid: each output (e.g. `aice`, standard_name sea_ice_area_fraction, clipped to
+[0, 1] with the share of cells clipped printed and in the attribute aice_clipped_share), its Jacobian as one
+variable per input named d<output>_d<input> (e.g. `daice_dsst`, units aice's per sst's), longitude and latitude,
+and `domain_mask`; the input's leading time dimension where it has one; fill values (1e30, as CICE writes) outside
+the domain; CF attributes (long_name, units, _FillValue, coordinates). --layout soca writes SOCA's per-point file
+instead (IceEmul.h: dimension n, lon, lat, the input's aice, the emulated aice_ffnn, the Jacobian as dcdt, dcds,
+dcdsi, dcdtair, dcdtsfc, dcdhi, dcdhs, ...: netcdf.soca_name). --plot DIR draws polar-stereographic maps, north
+and south, of the emulated output, its error against the input's and each Jacobian column (toolkit.export.maps).
+Files are written whole or not at all (temporary file, rename).
 
 The package's parts: load (the checkpoint, the registry EXPORTABLE of families that export knows, packages), aoti
-(the .pt2), netcdf (read the domain, predict in chunks, write the file). Supported recipes: ufs_emulator. Bad input
-(a path, a run, a package, a missing variable, units that differ from the training's, NaN inside the domain) is one
-line, exit 2, before anything is written.
+(the .pt2), torchscript and soca (the TorchScript archives), netcdf (read the domain, predict in chunks, write the
+file), maps (the PNGs). Supported recipes: ufs_emulator. Bad input (a path, a run, a package, a missing variable,
+units that differ from the training's, NaN inside the domain, a --plot that is not a directory) is one line, exit 2,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -41,15 +61,29 @@ from toolkit.errors import UsageError
 from toolkit.export.aoti import export_aoti
 from toolkit.export.load import EXPORTABLE, Exportable, best_checkpoint, load_package, load_run
 from toolkit.export.netcdf import predict_netcdf
+from toolkit.export.soca import export_soca, read_soca, soca_emulator
+from toolkit.export.torchscript import export_torchscript, load_torchscript
 
-__all__ = ["EXPORTABLE", "Exportable", "best_checkpoint", "export_aoti", "load_package", "load_run", "main",
-           "predict_netcdf"]
+__all__ = ["EXPORTABLE", "Exportable", "best_checkpoint", "export_aoti", "export_soca", "export_torchscript",
+           "load_package", "load_run", "load_torchscript", "main", "predict_netcdf", "read_soca", "soca_emulator"]
+
+TORCHSCRIPT_LAYOUTS = ("aibalance", "soca")
 
 
-def _torchscript_removed(args) -> None:
-    raise UsageError(
-        "torchscript export is gone (torch 2.13 deprecates TorchScript); use python -m toolkit.export aoti RUN_DIR "
-        "--out emulator.pt2, which export/cpp/ loads"
+def _torchscript(args) -> None:
+    if args.layout not in TORCHSCRIPT_LAYOUTS:
+        raise UsageError(f"--format {args.layout!r}: give {' or '.join(TORCHSCRIPT_LAYOUTS)} (aibalance's "
+                         "ufs_emulator.cpp, or SOCA's MLBalance)")
+    if args.layout == "soca":
+        meta = export_soca(args.run_dir, args.out, args.step)
+        norm = Path(args.out).parent / meta["normalization"]
+        written = f"{args.out} and {norm} (SOCA's layout: torch::load, loadNorm)"
+    else:
+        meta = export_torchscript(args.run_dir, args.out, args.step)
+        written = f"{args.out} (TorchScript, aibalance's layout: predict, jac, jac_physical)"
+    print(
+        f"wrote {written}: {meta['recipe']} from {meta['checkpoint']}, inputs {' '.join(meta['inputs'])} -> outputs "
+        f"{' '.join(meta['outputs'])}, physical units, float64 out"
     )
 
 
@@ -72,11 +106,27 @@ def main(argv: list[str] | None = None) -> None:
     predict.add_argument(
         "--lon-variable", default=None, help="longitude variable (default: the latitude's name with LAT -> LON)"
     )
-    script = formats.add_parser("torchscript", help="removed: use aoti")
-    script.add_argument("rest", nargs=argparse.REMAINDER)
+    predict.add_argument("--data-atmos", type=Path, default=None,
+                         help="the atmosphere's file on --data's grid, for a run trained on two files")
+    predict.add_argument("--whole-grid", action="store_true",
+                         help="every ocean cell (the mask only), not the run's domain (latitude, hemisphere, ...)")
+    predict.add_argument("--layout", default="grid",
+                         help="grid: the CF file on --data's grid; soca: SOCA's per-point file (aice_ffnn, dcdt, ...)")
+    predict.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                         help="draw polar-stereographic maps (north, south) of the output, its error, the Jacobian")
+    script = formats.add_parser(
+        "torchscript", help="TorchScript for aibalance's and SOCA's C++ programs (torch deprecates it: aoti for new)"
+    )
+    script.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run (runs/<recipe>/<run>)")
+    script.add_argument("--out", type=Path, required=True, help="file to write, e.g. emulator.pt")
+    script.add_argument("--step", type=int, default=None, help="export this checkpoint instead of the best")
+    script.add_argument(
+        "--format", dest="layout", default="aibalance", metavar="LAYOUT",
+        help="aibalance (default: predict, jac, jac_physical and metadata) or soca (MODEL.pt + normalization.MODEL.pt)",
+    )
     args = parser.parse_args(argv)
     if args.format == "torchscript":
-        _torchscript_removed(args)
+        _torchscript(args)
     elif args.format == "aoti":
         meta = export_aoti(args.run_dir, args.out, args.step)
         print(
@@ -91,12 +141,32 @@ def main(argv: list[str] | None = None) -> None:
             model_path=args.model,
             step=args.step,
             lon_variable=args.lon_variable,
+            data_atmos=args.data_atmos,
+            whole_grid=args.whole_grid,
+            layout=args.layout,
+            plot_dir=args.plot,
         )
-        print(
-            f"wrote {summary['out']}: {' '.join(summary['outputs'])} and d/d({' '.join(summary['inputs'])}) on "
-            f"{summary['cells']} domain cells of a {summary['grid'][0]} x {summary['grid'][1]} grid, from "
-            f"{summary['source']}"
-        )
+        print(predict_lines(summary))
+
+
+def predict_lines(summary: dict) -> str:
+    """What predict says: the domain it used (one line), what it wrote with the share of cells clipped, the maps."""
+    cells = summary["cells"]
+    if summary["whole_grid"]:
+        domain = f"domain: every ocean cell ({summary['domain']}; --whole-grid), {cells} cells"
+    else:
+        domain = (f"domain: as the run selected it ({summary['domain']}), {cells} cells; --whole-grid for every "
+                  "ocean cell")
+    clipped = "".join(f"; {name} clipped to [0, 1] at {count} of {cells} cells ({100 * count / max(cells, 1):.2f}%)"
+                      for name, count in summary["clipped"].items())
+    what = (f"aice_ffnn and dc/d<input> at {cells} points (SOCA's layout)" if summary["layout"] == "soca" else
+            f"{' '.join(summary['outputs'])} and d/d({' '.join(summary['inputs'])}) on {cells} domain cells of a "
+            f"{summary['grid'][0]} x {summary['grid'][1]} grid")
+    lines = [domain, f"wrote {summary['out']}: {what}, from {summary['source']}{clipped}"]
+    if summary["plots"]:
+        lines.append(f"wrote {len(summary['plots'])} maps to {Path(summary['plots'][0]).parent}: "
+                     f"{', '.join(Path(p).name for p in summary['plots'])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def _ufs_emulator_meta(config: dict, data: dict) -> dict:
         },
         "signature": "x [n, inputs] float64 -> (predictions [n, outputs], jacobian [n, outputs, inputs]) float64, "
         "physical units",
+        "config": dict(config),  # every flag, so that predict --model selects the training's domain as a run does
     }
 
 

@@ -1,6 +1,7 @@
 """The UFS sea-ice emulator: an MLP from the local ocean/atmosphere state to sea-ice quantities (seeds 000/001).
 
-    model = UfsEmulator(input_mean, input_std, output_mean, output_std, hidden=64, layers=3)
+    model = UfsEmulator(input_mean, input_std, output_mean, output_std, hidden=64, layers=3,
+                        output_activation="none")   # or "sigmoid": outputs bounded to (0, 1), as SOCA's IceNet
     z = model.normalise_inputs(x)        # physical -> normalised (float64 arithmetic, the network's dtype)
     model(z)                             # the network: normalised inputs -> normalised outputs (what is trained)
     model.predict(x)                     # physical units in and out
@@ -11,6 +12,11 @@
 The export (toolkit/export/: torch.export + AOTInductor, for C++) needs the Jacobian without autograd: an MLP's is
 closed form, W_L diag(gelu'(a_{L-1})) W_{L-1} ... diag(gelu'(a_1)) W_1 in normalised space, chained in the
 network's dtype alongside the forward pass, then scaled by output_std / input_std in float64.
+
+With output_activation="sigmoid" the physical output is sigmoid(network) (SOCA's IceNet: aice in (0, 1)); what is
+trained stays the normalised output, (sigmoid(network) - output_mean) / output_std, so the loss keeps its scale, and
+predict() returns the sigmoid itself (exactly within [0, 1]). The closed-form Jacobian then carries the sigmoid's
+derivative s (1 - s) in place of the output_std scaling. "none" (the default) is the network's output as before.
 
 The normalisation statistics are float64 buffers of the model, so a saved model (safetensors, the exported
 package) predicts in physical units by itself; normalising in float64 keeps the digits of large-mean fields
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 STATISTICS = ("input_mean", "input_std", "output_mean", "output_std")
+OUTPUT_ACTIVATIONS = ("none", "sigmoid")  # on the network's output: none, or sigmoid (outputs in (0, 1), SOCA's IceNet)
 
 
 class UfsEmulator(nn.Module):
@@ -34,8 +41,12 @@ class UfsEmulator(nn.Module):
         output_std: torch.Tensor,
         hidden: int = 64,
         layers: int = 3,
+        output_activation: str = "none",
     ):
         super().__init__()
+        if output_activation not in OUTPUT_ACTIVATIONS:
+            raise ValueError(f"output_activation {output_activation!r}: give one of {', '.join(OUTPUT_ACTIVATIONS)}")
+        self.output_activation = output_activation
         n_in, n_out = len(input_mean), len(output_mean)
         self.register_buffer("input_mean", torch.as_tensor(input_mean, dtype=torch.float64).clone())
         self.register_buffer("input_std", torch.as_tensor(input_std, dtype=torch.float64).clone())
@@ -61,8 +72,12 @@ class UfsEmulator(nn.Module):
         return self
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        """Normalised inputs [n, inputs] -> normalised outputs [n, outputs]."""
-        return self.net(z)
+        """Normalised inputs [n, inputs] -> normalised outputs [n, outputs] (with the sigmoid: the sigmoid's value,
+        normalised by the output statistics in float64, returned in the network's dtype)."""
+        out = self.net(z)
+        if self.output_activation == "sigmoid":
+            return ((torch.sigmoid(out).double() - self.output_mean) / self.output_std).to(out.dtype)
+        return out
 
     def normalise_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Physical -> normalised, computed in float64, returned in the network's dtype."""
@@ -75,7 +90,10 @@ class UfsEmulator(nn.Module):
         return out.double() * self.output_std + self.output_mean
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Physical inputs [n, inputs] -> physical outputs [n, outputs] (float64)."""
+        """Physical inputs [n, inputs] -> physical outputs [n, outputs] (float64); with the sigmoid, its value
+        (no round trip through the normalisation: within [0, 1] exactly)."""
+        if self.output_activation == "sigmoid":
+            return torch.sigmoid(self.net(self.normalise_inputs(x))).double()
         return self.to_physical_outputs(self(self.normalise_inputs(x)))
 
     def jacobian(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +122,12 @@ class UfsEmulator(nn.Module):
             else:
                 raise TypeError(f"predict_with_jacobian has no derivative for {type(layer).__name__}")
         # x.shape[0], not len(x): torch.export keeps the number of points symbolic (any n).
-        jacobian = chain.expand(x.shape[0], -1, -1).double() * self.output_std[:, None] / self.input_std[None, :]
+        chain = chain.expand(x.shape[0], -1, -1).double()
+        if self.output_activation == "sigmoid":  # d sigmoid(h) / d h = s (1 - s), in float64
+            s = torch.sigmoid(h)
+            slope = s.double() * (1.0 - s.double())
+            return s.double(), slope.unsqueeze(-1) * chain / self.input_std[None, :]
+        jacobian = chain * self.output_std[:, None] / self.input_std[None, :]
         return self.to_physical_outputs(h), jacobian
 
 
@@ -136,4 +159,5 @@ def from_run_config(config: dict) -> UfsEmulator:
     """An untrained model shaped as a run's config.json says (statistics placeholders; load the weights next)."""
     n_in, n_out = len(config["inputs"]), len(config["outputs"])
     ones_in, ones_out = torch.ones(n_in, dtype=torch.float64), torch.ones(n_out, dtype=torch.float64)
-    return UfsEmulator(ones_in * 0, ones_in, ones_out * 0, ones_out, hidden=config["hidden"], layers=config["layers"])
+    return UfsEmulator(ones_in * 0, ones_in, ones_out * 0, ones_out, hidden=config["hidden"], layers=config["layers"],
+                       output_activation=config.get("output_activation", "none"))  # runs made before it: none

@@ -1,0 +1,257 @@
+"""The teams' sea-ice domains (--domain), each checked cell for cell against a transcription of that team's code,
+written here in plain Python/numpy from it, on generated files: JCSDA SOCA's IceEmul.h (selectData "clean data" per
+pole, prepData's first N per rank of the stride cut to the smallest rank, on 1 and 3 ranks), aibalance c710abb's
+select_data (umask == 1, aice not < 0, the first N in grid order) and aibalance b1eccbc's read_netcdf_data_pair /
+filter_data on its CF pair (the thickness/tair mask, aice > 0, the first N); --domain toolkit stays ours. The gdas
+preset follows c710abb; the flags a team's domain fixes are refused in one line before a file is opened."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from accelerate import Accelerator
+from conftest import recipe_script
+
+from toolkit.data.ufs import CICE_NAMES, DEFAULT_INPUTS, load_patterns, open_fields, select_patterns, synthesize
+from toolkit.data.ufs_domains import DOMAINS
+from toolkit.errors import UsageError
+from toolkit.export.netcdf import selection_options
+
+
+@pytest.fixture(scope="module")
+def cice(tmp_path_factory):
+    """A CICE history file (umask/ULAT beside tmask/TLAT; aice with noise below 0 and above 1) on 5-degree rows, so
+    that a row of ULAT is exactly 40 (SOCA's > 40 leaves it out, >= would not), with every 7th ocean cell's masks
+    at 0.7 (the teams' == 1 leaves them out, our > 0.5 keeps them)."""
+    where = tmp_path_factory.mktemp("domains")
+    synthesize(where / "plain.nc", seed=3, nlat=36, nlon=72, naming="cice")
+    with xr.open_dataset(where / "plain.nc") as plain:
+        ds = plain.load()
+    assert (ds["ULAT"].values == 40).any()
+    for name in ("umask", "tmask"):
+        values = ds[name].values.copy()
+        values.reshape(-1)[np.flatnonzero(values.reshape(-1) == 1)[::7]] = 0.7
+        ds[name] = (ds[name].dims, values, ds[name].attrs)
+    ds.to_netcdf(where / "cice.nc", engine="netcdf4")
+    return where / "cice.nc"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    where = tmp_path_factory.mktemp("domains-cf")
+    synthesize(where / "ocean.nc", seed=3, nlat=48, nlon=96, layout="gaussian-cf", atmos_out=where / "atmos.nc")
+    return where / "ocean.nc", where / "atmos.nc"
+
+
+def flat(ds, name):
+    """The variable as the teams read it: every value in file order (CICE: (time=1, nj, ni) flattened)."""
+    return np.asarray(ds[name].values).reshape(-1)
+
+
+# ---- transcriptions of the teams' code ------------------------------------------------------------------------
+
+
+def soca_select(mask, lat, aice, pole, i):
+    """IceEmul.h selectData with clean data."""
+    if pole == "north":
+        return mask[i] == 1 and lat[i] > 40.0 and aice[i] > 0.0 and aice[i] <= 1.0
+    return mask[i] == 1 and lat[i] < -40.0 and aice[i] > 0.0 and aice[i] <= 1.0
+
+
+def soca_cells(mask, lat, aice, pole, n, size):
+    """IceEmul.h prepData on `size` ranks: each counts its domain cells along i = rank, rank + size, ... up to n,
+    MPI_MIN of the counts, then each takes that many; the union of every rank's cells."""
+    local = []
+    for rank in range(size):
+        count = 0
+        for i in range(rank, len(lat), size):
+            if soca_select(mask, lat, aice, pole, i):
+                count += 1
+            if count >= n:
+                break
+        local.append(count)
+    num_patterns = min(local)
+    cells = []
+    for rank in range(size):
+        cnt = 0
+        for i in range(rank, len(lat), size):
+            if soca_select(mask, lat, aice, pole, i):
+                cells.append(i)
+                cnt += 1
+            if cnt >= num_patterns:
+                break
+    return sorted(cells)
+
+
+def c710abb_cells(mask, aice, max_patterns):
+    """aibalance c710abb filter_data with select_data, mask_mode "sea_ice", min_ice 0.0."""
+    selected = []
+    for i in range(len(mask)):
+        if float(mask[i]) != 1:
+            continue
+        if float(aice[i]) < 0.0:
+            continue
+        selected.append(i)
+        if len(selected) >= max_patterns:
+            break
+    return selected
+
+
+def b1eccbc_cells(ocean, atmos, max_patterns):
+    """aibalance b1eccbc read_netcdf_data_pair and filter_data (mask_mode "sea_ice", min_ice 0.0)."""
+    thick = ocean["sea_water_cell_thickness"].values[:, :, 0].astype(np.float32).flatten()
+    tair_var = atmos["air_temperature"]
+    tair = (tair_var.values[:, :, tair_var.shape[2] - 1] if tair_var.ndim == 3 else tair_var.values)
+    tair = tair.astype(np.float32).flatten()
+    aice = ocean["sea_ice_area_fraction"].values[:, :, 0].astype(np.float32).flatten()
+    mask = ((thick > 0.0) & (thick <= 500.0) & (tair >= 183.15) & (tair <= 333.15)).astype(np.int32)
+    valid = (mask == 1) & (aice > 0.0)
+    return np.where(valid)[0][:max_patterns]
+
+
+# ---- the domains against them -----------------------------------------------------------------------------------
+
+NAMES = [CICE_NAMES[name] for name in [*DEFAULT_INPUTS, "aice"]]
+
+
+def selected(ds, path, **flags):
+    common = dict(names=NAMES, mask_variable="umask", lat_variable="ULAT", min_abs_lat=40.0, thin=1, max_patterns=0,
+                  val_fraction=0.1, seed=0, ice_variable="aice_h")
+    return select_patterns(ds, path, **(common | flags))
+
+
+@pytest.mark.parametrize("pole", ["north", "south"])
+@pytest.mark.parametrize("world, per_rank", [(1, 0), (1, 150), (3, 0), (3, 60)])
+def test_soca_domain_is_socas_select_data_and_prepdata_cap(pole, world, per_rank, cice):
+    with xr.open_dataset(cice) as ds:
+        mask, lat, aice = flat(ds, "umask"), flat(ds, "ULAT"), flat(ds, "aice_h")
+        expected = soca_cells(mask, lat, aice, pole, per_rank or len(lat), world)
+        selection = selected(ds, cice, domain="soca", hemisphere=pole, max_patterns_per_rank=per_rank, world=world)
+        domain = sum(soca_select(mask, lat, aice, pole, i) for i in range(len(lat)))
+    assert selection.domain_cells == domain > 50
+    assert selection.cells.tolist() == expected
+    assert len(expected) < domain if per_rank or world > 1 else len(expected) == domain  # the cap or MPI_MIN cut
+    assert selection.depends_on_world
+    assert selection.where == {"north": "umask == 1 and ULAT > 40 and 0 < aice_h <= 1",
+                               "south": "umask == 1 and ULAT < -40 and 0 < aice_h <= 1"}[pole]
+
+
+@pytest.mark.parametrize("cap", [0, 700])
+def test_aibalance_c710abb_domain_is_its_select_data_and_first_n(cap, cice):
+    with xr.open_dataset(cice) as ds:
+        mask, aice = flat(ds, "umask"), flat(ds, "aice_h")
+        expected = c710abb_cells(mask, aice, cap or len(mask))
+        selection = selected(ds, cice, domain="aibalance-c710abb", lat_variable="", max_patterns=cap)
+        assert (aice[mask == 1] < 0).any() and (aice[mask == 1] > 1).any()  # the noise crosses both bounds
+    assert selection.domain_cells == len(c710abb_cells(mask, aice, len(mask)))
+    assert selection.cells.tolist() == expected and not selection.depends_on_world
+    if cap:  # the FIRST cap cells in grid order, not a subset spread over the domain
+        assert selection.cells.tolist() == c710abb_cells(mask, aice, len(mask))[:cap]
+
+
+def test_aibalance_b1eccbc_domain_is_its_mask_on_the_cf_pair(pair):
+    ocean_path, atmos_path = pair
+    with open_fields(ocean_path, atmos_path, domain="aibalance-b1eccbc", need_lat=False) as fields:
+        names = [*DEFAULT_INPUTS, "aice"]
+        every = select_patterns(fields.view, fields.label, names=names, mask_variable=fields.mask_key, lat_variable="",
+                                min_abs_lat=40.0, thin=1, max_patterns=0, val_fraction=0.1, seed=0,
+                                domain="aibalance-b1eccbc")
+        first = select_patterns(fields.view, fields.label, names=names, mask_variable="", lat_variable="",
+                                min_abs_lat=40.0, thin=1, max_patterns=500, val_fraction=0.1, seed=0,
+                                domain="aibalance-b1eccbc")
+    with xr.open_dataset(ocean_path) as ocean, xr.open_dataset(atmos_path) as atmos:
+        assert every.cells.tolist() == b1eccbc_cells(ocean, atmos, 10**9).tolist()
+        assert first.cells.tolist() == b1eccbc_cells(ocean, atmos, 500).tolist()
+    assert every.where == "0 < thick <= 500 and 183.15 <= tair <= 333.15 and aice > 0"
+
+
+def test_toolkit_domain_is_unchanged_and_counts_differ_by_team(cice):
+    """Ours: tmask > 0.5 and |TLAT| >= 40 (open water in); the teams' counts on the same file differ from it."""
+    with xr.open_dataset(cice) as ds:
+        ours = selected(ds, cice, mask_variable="tmask", lat_variable="TLAT", ice_variable="")
+        expected = (flat(ds, "tmask") > 0.5) & (np.abs(flat(ds, "TLAT")) >= 40)
+        counts = {"soca": sum(selected(ds, cice, domain="soca", hemisphere=h).domain_cells for h in ("north", "south")),
+                  "aibalance-c710abb": selected(ds, cice, domain="aibalance-c710abb").domain_cells}
+    assert ours.cells.tolist() == np.flatnonzero(expected).tolist() and ours.where == "tmask > 0.5 and |TLAT| >= 40.0"
+    assert len({ours.domain_cells, *counts.values()}) == 3
+
+
+def test_a_team_domain_trains_from_load_patterns_and_predict_gets_it_from_the_config(cice):
+    accelerator = Accelerator(cpu=True)
+    patterns = load_patterns(accelerator, cice, domain="soca", hemisphere="north", seed=1)
+    meta = patterns.meta
+    assert (meta["domain"], meta["mask_variable"], meta["lat_variable"]) == ("soca", "umask", "ULAT")
+    assert meta["where"] == "umask == 1 and ULAT > 40 and 0 < aice <= 1"
+    assert patterns.train_targets.min() > 0 and patterns.train_targets.max() <= 1
+    config = {"domain": "soca", "hemisphere": "north", "mask": "variable", "mask_variable": "auto",
+              "lat_variable": "auto", "min_abs_lat": 40.0}
+    options = selection_options({"domain": {"mask_variable": "umask", "lat_variable": "ULAT"}, "config": config})
+    assert {key: options[key] for key in ("domain", "mask", "mask_variable", "lat_variable", "min_abs_lat",
+                                          "hemisphere")} == {"domain": "soca", "mask": "variable", "mask_variable":
+                                                             "umask", "lat_variable": "ULAT", "min_abs_lat": 40.0,
+                                                             "hemisphere": "north"}
+    with xr.open_dataset(cice) as ds:  # predict's call: every cell of the training's domain, no cap
+        again = select_patterns(ds, cice, names=NAMES, ice_variable="aice_h", **options)
+    assert again.domain_cells == meta["domain_cells"] == len(again.cells)
+
+
+# ---- flags a team's domain fixes: one line, before any file is read ----------------------------------------------
+
+REFUSED = {
+    "soca without a pole": ({"domain": "soca"}, "--domain soca trains one model per pole, as SOCA does: give "
+                            "--hemisphere north or south"),
+    "soca with a total cap": ({"domain": "soca", "hemisphere": "north", "max_patterns": 100},
+                              "--max-patterns 100: SOCA caps each rank"),
+    "soca with another latitude bound": ({"domain": "soca", "hemisphere": "south", "min_abs_lat": 60.0},
+                                         "--min-abs-lat 60: --domain soca selects as the team does"),
+    "c710abb with a hemisphere": ({"domain": "aibalance-c710abb", "hemisphere": "north"},
+                                  "--hemisphere north: --domain aibalance-c710abb selects as the team does"),
+    "c710abb with a cap per rank": ({"domain": "aibalance-c710abb", "max_patterns_per_rank": 10},
+                                    "--max-patterns-per-rank 10: aibalance caps the whole domain"),
+    "c710abb without open water": ({"domain": "aibalance-c710abb", "open_water": False}, "--no-open-water: "),
+    "b1eccbc with a mask variable": ({"domain": "aibalance-b1eccbc", "mask_variable": "umask"},
+                                     "--mask-variable umask: the thickness-tair mask"),
+    "thickness-tair with a mask variable": ({"mask": "thickness-tair", "mask_variable": "tmask"},
+                                            "--mask-variable tmask: the thickness-tair mask"),
+    "soca with the thickness-tair mask": ({"domain": "soca", "hemisphere": "north", "mask": "thickness-tair"},
+                                          "--mask thickness-tair: --domain soca selects as the team does"),
+    "soca without a mask variable": ({"domain": "soca", "hemisphere": "north", "mask_variable": ""},
+                                     "--mask-variable '': --domain soca selects as the team does"),
+    "an unknown domain": ({"domain": "nasa"}, "--domain nasa is invalid; give one of toolkit, soca, "
+                          "aibalance-c710abb, aibalance-b1eccbc"),
+}
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("ufs_domains_recipe", recipe_script("ufs_emulator"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_flags_a_team_domain_fixes_are_one_line_before_any_file_is_read(case, recipe):
+    flags, fragment = REFUSED[case]
+    with pytest.raises(UsageError) as error:  # no such file: the flags are refused first
+        load_patterns(Accelerator(cpu=True), "/no/such.nc", **flags)
+    assert "\n" not in str(error.value) and fragment in str(error.value), str(error.value)
+    if case != "an unknown domain":  # the recipe's check, at parse time (tyro refuses an unknown choice itself)
+        config = dataclasses.replace(recipe.PRESETS["cpu"][1], data=Path("/no/such.nc"), **flags)
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            recipe.check(config)
+
+
+def test_gdas_preset_follows_aibalance_c710abb(recipe):
+    gdas = recipe.PRESETS["gdas"][1]
+    assert (gdas.domain, gdas.max_patterns, gdas.max_patterns_per_rank) == ("aibalance-c710abb", 400_000, 0)
+    assert (gdas.epochs, gdas.patience, gdas.min_epochs, gdas.stop_early) == (100_000, 50, 3_000, False)
+    assert "c710abb" in recipe.PRESETS["gdas"][0] and set(DOMAINS) == {
+        "toolkit", "soca", "aibalance-c710abb", "aibalance-b1eccbc"}

@@ -1,0 +1,182 @@
+"""The sea-ice domain as each team's code selects it (`--domain`): which grid cells become patterns, one place for
+training (toolkit.data.ufs.select_patterns) and predict (which passes the run's config through
+toolkit.export.netcdf.selection_options).
+
+    toolkit            ours: the mask variable > 0.5 (or --mask thickness-tair), |lat| >= --min-abs-lat in
+                       --hemisphere, open water in or out (--no-open-water: aice > 0); a keyed random subset when capped
+    soca               JCSDA SOCA MLBalance/KEmul/IceEmul.h selectData ("clean data"), one model per pole:
+                       umask == 1, ULAT > 40 (north) or ULAT < -40 (south), 0 < aice <= 1; prepData's cap: each rank
+                       takes the first N cells of its stride i = rank, rank + W, ... and all keep the smallest count
+                       (MPI_MIN), N = --max-patterns-per-rank
+    aibalance-c710abb  aibalance c710abb ufsemulator/data.py select_data, mask_mode sea_ice, min_ice 0: umask == 1, no
+                       latitude bound, not aice < 0; filter_data's cap: the first --max-patterns cells in grid order
+    aibalance-b1eccbc  aibalance b1eccbc (HEAD) ufsemulator/data.py on its CF files: 0 < sea_water_cell_thickness <=
+                       500 and 183.15 <= tair <= 333.15 (read_netcdf_data_pair's mask), aice > 0 (mask_mode sea_ice);
+                       the first --max-patterns cells in grid order
+
+A team's comparisons are taken as its code writes them (== 1, not > 0.5; > 40, not >= 40; a NaN fails each of
+them), on the values as stored (float32 compared with the literal, as numpy and C++ compare them). The flags that a
+team's selection fixes are refused with its domain when they differ from their defaults, in one line that says what
+the team does instead; the names of the variables (--mask-variable, --lat-variable) stay the user's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from toolkit.errors import UsageError
+from toolkit.randomness import keyed_uniform
+
+AUTO = "auto"
+CAP_COIN = 12  # the purpose of the keyed per-cell coin that picks a capped subset (--domain toolkit)
+MASKS = ("variable", "thickness-tair")
+# aibalance b1eccbc read_netcdf_data_pair: thickness validity and tair bounds
+THICKNESS_RANGE = (0.0, 500.0)  # 0 < thick <= 500 (m)
+TAIR_RANGE = (183.15, 333.15)  # 183.15 <= tair <= 333.15 (K)
+THICKNESS_TAIR = "0 < thick <= 500 and 183.15 <= tair <= 333.15"
+
+
+@dataclass(frozen=True)
+class DomainRule:
+    """One team's selection: what it fixes and how it caps."""
+
+    summary: str  # the rule in words (help, errors)
+    mask: str | None  # "variable" or "thickness-tair" as the team fixes it; None: --mask decides (toolkit)
+    mask_names: tuple[str, ...]  # what --mask-variable auto tries
+    lat_names: tuple[str, ...] | None  # what --lat-variable auto tries (None: the toolkit's order)
+    uses_lat: bool  # the team bounds the latitude
+    pole: bool  # one model per pole: --hemisphere north or south
+    cap: str  # "keyed" (a keyed random subset), "first" (first N in grid order), "first-per-rank" (SOCA's)
+
+
+DOMAINS = {
+    "toolkit": DomainRule(
+        "ours: --mask (the mask variable > 0.5, or thickness-tair), |lat| >= --min-abs-lat in --hemisphere, "
+        "--no-open-water keeps aice > 0; capped by a keyed random subset",
+        None, ("tmask", "umask"), None, True, False, "keyed"),
+    "soca": DomainRule(
+        "JCSDA SOCA IceEmul.h selectData, one model per pole: umask == 1, ULAT > 40 (north) or ULAT < -40 (south), "
+        "0 < aice <= 1; each rank's first --max-patterns-per-rank cells of its stride, cut to the smallest rank's "
+        "count",
+        "variable", ("umask",), ("ULAT",), True, True, "first-per-rank"),
+    "aibalance-c710abb": DomainRule(
+        "aibalance c710abb select_data (mask_mode sea_ice): umask == 1, no latitude bound, aice >= 0 (not aice < 0); "
+        "the first --max-patterns cells in grid order",
+        "variable", ("umask", "mask", "land_mask", "ocean_mask"), None, False, False, "first"),
+    "aibalance-b1eccbc": DomainRule(
+        f"aibalance b1eccbc (HEAD) on CF files: {THICKNESS_TAIR} (thick: sea_water_cell_thickness at the surface "
+        "level), aice > 0, no latitude bound; the first --max-patterns cells in grid order",
+        "thickness-tair", (), None, False, False, "first"),
+}
+TOOLKIT = "toolkit"
+# Flag defaults (the recipe's and load_patterns'): a team's domain refuses any other value of a flag it fixes.
+DEFAULTS = {"mask": "variable", "mask_variable": AUTO, "lat_variable": AUTO, "min_abs_lat": 40.0, "hemisphere": "both",
+            "open_water": True, "max_patterns": 0, "max_patterns_per_rank": 0}
+
+
+def domain_rule(domain: str) -> DomainRule:
+    if domain not in DOMAINS:
+        raise UsageError(f"--domain {domain} is invalid; give one of {', '.join(DOMAINS)}")
+    return DOMAINS[domain]
+
+
+def mask_kind(domain: str, mask: str) -> str:
+    """The mask in effect: the team's own, else --mask."""
+    if mask not in MASKS:
+        raise UsageError(f"--mask {mask} is invalid; give variable (the --mask-variable's cells) or thickness-tair "
+                         f"({THICKNESS_TAIR})")
+    return domain_rule(domain).mask or mask
+
+
+def check_domain(domain: str, **flags) -> None:
+    """Refuse, in one line, a flag that `domain` fixes given another value than its default (flags: the keys of
+    DEFAULTS; those left out are taken as defaults). Called before any file is opened."""
+    rule = domain_rule(domain)
+    flags = {**DEFAULTS, **flags}
+    kind = mask_kind(domain, flags["mask"])
+    if flags["hemisphere"] not in ("both", "north", "south"):
+        raise UsageError(f"--hemisphere {flags['hemisphere']} is invalid; give one of both, north, south")
+    if kind == "thickness-tair" and flags["mask_variable"] != AUTO:
+        raise UsageError(f"--mask-variable {flags['mask_variable']}: the thickness-tair mask ({THICKNESS_TAIR}) reads "
+                         "no mask variable; leave --mask-variable out, or give --mask variable")
+    if domain == TOOLKIT:
+        return
+    team = f"--domain {domain} selects as the team does ({rule.summary})"
+    use = "; give --domain toolkit to choose it yourself"
+    if flags["mask"] != DEFAULTS["mask"]:
+        raise UsageError(f"--mask {flags['mask']}: {team}{use}")
+    if rule.mask == "variable" and not flags["mask_variable"]:
+        raise UsageError(f"--mask-variable '': {team}; it needs its mask variable ({rule.mask_names[0]} == 1): give "
+                         f"its name in the file{use}")
+    if flags["min_abs_lat"] != DEFAULTS["min_abs_lat"]:
+        raise UsageError(f"--min-abs-lat {flags['min_abs_lat']:g}: {team}; its latitude bound is its own{use}")
+    if not flags["open_water"]:
+        raise UsageError(f"--no-open-water: {team}; its ice condition is its own{use}")
+    if rule.pole and flags["hemisphere"] == "both":
+        raise UsageError(f"--domain {domain} trains one model per pole, as SOCA does: give --hemisphere north or "
+                         "south (one run each)")
+    if not rule.pole and flags["hemisphere"] != "both":
+        raise UsageError(f"--hemisphere {flags['hemisphere']}: {team}; it has no hemisphere{use}")
+    if not rule.uses_lat and flags["lat_variable"] != AUTO:
+        raise UsageError(f"--lat-variable {flags['lat_variable']}: {team}; it reads no latitude{use}")
+    if rule.cap == "first-per-rank" and flags["max_patterns"]:
+        raise UsageError(f"--max-patterns {flags['max_patterns']}: SOCA caps each rank (the first N of its stride); "
+                         f"give --max-patterns-per-rank {flags['max_patterns']} with --domain {domain}")
+    if rule.cap == "first" and flags["max_patterns_per_rank"]:
+        raise UsageError(f"--max-patterns-per-rank {flags['max_patterns_per_rank']}: aibalance caps the whole domain "
+                         f"(the first N cells in grid order); give --max-patterns N with --domain {domain}")
+
+
+def thickness_tair_ocean(thick: np.ndarray, tair: np.ndarray) -> np.ndarray:
+    """aibalance b1eccbc's mask: 0 < thick <= 500 and 183.15 <= tair <= 333.15 (NaN fails)."""
+    return (thick > THICKNESS_RANGE[0]) & (thick <= THICKNESS_RANGE[1]) & (tair >= TAIR_RANGE[0]) & (
+        tair <= TAIR_RANGE[1])
+
+
+def team_ice(domain: str, aice: np.ndarray) -> tuple[np.ndarray, str]:
+    """The team's ice condition on aice (as stored) and its words."""
+    if domain == "soca":
+        return (aice > 0.0) & (aice <= 1.0), "0 < aice <= 1"
+    if domain == "aibalance-c710abb":
+        return ~(aice < 0.0), "aice >= 0"  # `if aice < min_ice: return False`: a NaN is kept, as there
+    return aice > 0.0, "aice > 0"
+
+
+def first_per_rank(cells: np.ndarray, per_rank: int, world: int) -> np.ndarray:
+    """SOCA prepData: rank r walks the grid cells i = r, r + W, ... and takes the domain cells it meets, at most
+    `per_rank` (0 = no cap); every rank then keeps the smallest count (MPI_MIN) of its first ones. The union, in
+    grid order."""
+    shares = [cells[cells % world == rank] for rank in range(world)]
+    keep = min(min(len(share), per_rank) if per_rank else len(share) for share in shares)
+    return np.sort(np.concatenate([share[:keep] for share in shares]))
+
+
+def cap_cells(domain: str, cells: np.ndarray, *, max_patterns: int, max_patterns_per_rank: int, world: int,
+              seed: int) -> np.ndarray:
+    """The domain's cells (ascending flat numbers) after the domain's cap."""
+    cap = domain_rule(domain).cap
+    if cap == "first-per-rank":
+        return first_per_rank(cells, max_patterns_per_rank, world)
+    if cap == "first":
+        return cells[:max_patterns] if max_patterns else cells
+    limit = min((c for c in (max_patterns, max_patterns_per_rank * world) if c), default=0)
+    if limit and len(cells) > limit:
+        coins = keyed_uniform(seed, CAP_COIN, 0, torch.from_numpy(cells)).numpy()
+        cells = np.sort(cells[np.argsort(coins, kind="stable")[:limit]])
+    return cells
+
+
+def depends_on_world(domain: str, max_patterns_per_rank: int) -> bool:
+    """Whether the patterns depend on the process count (then another count is another data set)."""
+    return domain_rule(domain).cap == "first-per-rank" or bool(max_patterns_per_rank)
+
+
+def cut_by_cap(domain: str, patterns: int, domain_cells: int, thin: int, max_patterns_per_rank: int) -> bool:
+    """Whether a cap that depends on the process count took fewer cells than the (thinned) domain holds."""
+    return depends_on_world(domain, max_patterns_per_rank) and patterns < math.ceil(domain_cells / thin)
+
+

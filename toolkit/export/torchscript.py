@@ -1,0 +1,262 @@
+"""`python -m toolkit.export torchscript`: the TorchScript module that the UFS teams' C++ programs load.
+
+torch 2.13 deprecates TorchScript (AOTInductor, `aoti`, is the path for new deployments), but aibalance's
+ufs_emulator.cpp and SOCA's MLBalance load TorchScript archives. This module and toolkit.export.soca are the only
+places that call torch.jit, and every call is inside `quiet_torchscript()`, which silences torch's own deprecation
+warnings for these calls alone (by message; any other warning still shows).
+
+aibalance's layout (guillaumevernieres/aibalance at b1eccbc): ufsemulator/export_to_torchscript.py:172-203 scripts
+its UfsEmulatorFFNN (ufsemulator/model.py) with torch.jit.script and saves it; the module holds
+
+- `network`, an nn.Sequential Linear, GELU, ..., Linear (model.py:32-47): our UfsEmulator's `net`, the same indices;
+- buffers input_mean, input_std, output_mean, output_std (model.py:50-53), here float64 as in our model;
+- attributes input_names, output_names (CF standard names), input_levels, output_levels (vertical level indices;
+  -1 here: our fields are 2-D, and aibalance's ufs_emulator.cpp prints -1 as "No level specified") and `meta`, a
+  dict of strings with model_class, hidden_layers, hidden_size, input_variables, output_variables (CF names, comma-
+  separated), input_short_names, output_short_names, optimizer and loss (export_to_torchscript.py:172-186); ours
+  adds output_activation, units, recipe and checkpoint. The whole meta of the export (toolkit.export.load) is the
+  extra file `meta.json` of the archive as well;
+- methods (model.py:147-259) forward (normalised inputs -> normalised outputs: the network), normalize_input,
+  denormalize_output, predict (physical -> physical), jac (d y_norm / d x_norm, [n, outputs, inputs]) and
+  jac_physical (d y / d x in physical units). jac is autograd through forward(), one backward per output, as
+  aibalance's and UfsEmulator.jacobian, but with torch.autograd.grad under enable_grad, so it works after
+  serialisation (which aibalance's export doubts, export_to_torchscript.py:228-251) and under torch::NoGradGuard.
+  Inputs may be float32 or float64; every output is float64 (normalisation in float64, the network in its own
+  dtype, as UfsEmulator does).
+
+SOCA's layout (`--format soca`) is written by toolkit.export.soca.
+"""
+
+# No `from __future__ import annotations`: torch.jit.script reads the class annotations below as types.
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from toolkit.errors import UsageError
+
+SUFFIXES = (".pt", ".ts")  # SOCA's files are .pt (test/Data/mlbalance/arctic.pt); aibalance's default is .ts
+
+NO_LEVEL = -1  # aibalance's ufs_emulator.cpp:44-45, 96-99: a level below 0 is "No level specified"
+
+
+@contextmanager
+def quiet_torchscript() -> Iterator[None]:
+    """Silence the deprecation warnings that torch 2.13 raises for the TorchScript calls of this export
+    (`torch.jit.script` is deprecated ..., `torch.jit.load` is deprecated ...), here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        yield
+
+
+def cf_name(name: str) -> str:
+    """aibalance's CF name for one of ours (toolkit.data.ufs_cf.AIBALANCE_CF, from its cf_mappings.py); a name that
+    file does not know takes the first of toolkit.data.ufs.CF_NAMES."""
+    from toolkit.data.ufs import CF_NAMES
+    from toolkit.data.ufs_cf import AIBALANCE_CF
+
+    return AIBALANCE_CF.get(name) or next(iter(CF_NAMES.get(name, ())), name)
+
+
+def check_out(out: Path, what: str = "a TorchScript archive") -> Path:
+    """--out as `aoti` takes it: a file name with the format's suffix, in a directory (made when missing); an
+    existing file is replaced whole (written beside it, then renamed), a directory is refused."""
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out}/emulator.pt")
+    if out.suffix not in SUFFIXES:
+        hint = " (.pt2 is an AOTInductor package: python -m toolkit.export aoti)" if out.suffix == ".pt2" else ""
+        raise UsageError(
+            f"--out {out} does not end in {' or '.join(SUFFIXES)}; {what} is a .pt file, e.g. emulator.pt{hint}"
+        )
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: {out.parent} is a file, not a directory")
+    return out
+
+
+def write_whole(out: Path, save) -> None:
+    """save(path) to a temporary file beside `out`, then rename it to `out`: the file appears whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.stem}.{os.getpid()}.partial{out.suffix}")
+    try:
+        save(partial)
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def model_attributes(model: nn.Module, meta: dict, config: dict) -> dict:
+    """aibalance's metadata (export_to_torchscript.py:144-186) for our model: names, levels and the meta dict."""
+    inputs, outputs = list(meta["inputs"]), list(meta["outputs"])
+    units = meta.get("units") or {}
+    linears = [layer for layer in model.net if isinstance(layer, nn.Linear)]
+    described = {
+        "model_class": "UfsEmulatorFFNN",
+        "hidden_layers": str(len(linears) - 1),
+        "hidden_size": str(linears[0].out_features),
+        "input_variables": ",".join(cf_name(name) for name in inputs),
+        "output_variables": ",".join(cf_name(name) for name in outputs),
+        "input_short_names": ",".join(inputs),
+        "output_short_names": ",".join(outputs),
+        "optimizer": str(config.get("optimizer", "")),
+        "loss": "mse",  # recipes/ufs_emulator.py trains with MSE in normalised units
+        "output_activation": output_activation(model),
+        "input_units": ",".join(str(units.get(name, "")) for name in inputs),
+        "output_units": ",".join(str(units.get(name, "")) for name in outputs),
+        "recipe": str(meta["recipe"]),
+        "checkpoint": str(meta["checkpoint"]),
+    }
+    return {
+        "input_names": [cf_name(name) for name in inputs],
+        "output_names": [cf_name(name) for name in outputs],
+        "input_levels": [NO_LEVEL] * len(inputs),
+        "output_levels": [NO_LEVEL] * len(outputs),
+        "meta": described,
+    }
+
+
+def output_activation(model: nn.Module) -> str:
+    return str(getattr(model, "output_activation", "none"))  # models from before the option: none
+
+
+class AibalanceEmulator(nn.Module):
+    """aibalance's UfsEmulatorFFNN interface (ufsemulator/model.py:147-259) around a trained UfsEmulator, for
+    torch.jit.script: the same numbers as UfsEmulator.predict / .jacobian (normalised and physical)."""
+
+    input_names: list[str]
+    output_names: list[str]
+    input_levels: list[int]
+    output_levels: list[int]
+    meta: dict[str, str]
+    sigmoid_output: bool
+
+    def __init__(self, model: nn.Module, attributes: dict):
+        super().__init__()
+        self.network = model.net  # aibalance's name (model.py:47); Linear/GELU at the same indices as ours
+        for name in ("input_mean", "input_std", "output_mean", "output_std"):
+            self.register_buffer(name, getattr(model, name).detach().clone())
+        for parameter in self.network.parameters():  # an inference module: the closed-form jac needs no autograd
+            parameter.requires_grad_(False)
+        self.sigmoid_output = output_activation(model) == "sigmoid"
+        self.input_names = list(attributes["input_names"])
+        self.output_names = list(attributes["output_names"])
+        self.input_levels = list(attributes["input_levels"])
+        self.output_levels = list(attributes["output_levels"])
+        self.meta = dict(attributes["meta"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised inputs -> normalised outputs (aibalance model.py:163-170; UfsEmulator.forward)."""
+        out = self.network(x)
+        if self.sigmoid_output:
+            return ((torch.sigmoid(out).double() - self.output_mean) / self.output_std).to(out.dtype)
+        return out
+
+    @torch.jit.export
+    def normalize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical -> normalised: (x - mean) / std in float64, returned in the network's dtype."""
+        return ((x.double() - self.input_mean) / self.input_std).to(self.network[0].weight.dtype)
+
+    @torch.jit.export
+    def denormalize_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Normalised -> physical outputs, float64: y * std + mean."""
+        return y.double() * self.output_std + self.output_mean
+
+    @torch.jit.export
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical inputs [n, inputs] -> physical outputs [n, outputs], float64 (UfsEmulator.predict)."""
+        z = self.normalize_input(x)
+        if self.sigmoid_output:
+            return torch.sigmoid(self.network(z)).double()
+        return self.denormalize_output(self.network(z))
+
+    @torch.jit.export
+    def jac(self, x: torch.Tensor) -> torch.Tensor:
+        """d y_norm / d x_norm at physical inputs x [n, inputs]: [n, outputs, inputs], float64. Autograd through
+        forward() as aibalance's jac (model.py:189-231) and UfsEmulator.jacobian compute it (one backward per
+        output), with torch.autograd.grad and grad mode on for the call (set back after it), so it works after
+        serialisation and under a caller's no_grad (torch::NoGradGuard in C++; not under InferenceMode)."""
+        z = self.normalize_input(x).detach()  # before grad mode changes: a wrong shape raises here
+        grad_was_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)  # TorchScript has no `with torch.enable_grad()`
+        z.requires_grad_(True)
+        y = self.forward(z)
+        gradients: list[Optional[torch.Tensor]] = []  # noqa: UP045 (TorchScript reads typing's Optional)
+        for output in range(y.shape[1]):
+            gradients.append(torch.autograd.grad([y[:, output].sum()], [z], retain_graph=True)[0])
+        torch.set_grad_enabled(grad_was_enabled)
+        rows: list[torch.Tensor] = []
+        for gradient in gradients:
+            assert gradient is not None
+            rows.append(gradient)
+        return torch.stack(rows, dim=1).double()
+
+    @torch.jit.export
+    def jac_physical(self, x: torch.Tensor) -> torch.Tensor:
+        """d y / d x in physical units, [n, outputs, inputs], float64 (aibalance model.py:233-259)."""
+        return self.jac(x) * self.output_std.view(1, -1, 1) / self.input_std.view(1, 1, -1)
+
+
+def check_layers(model: nn.Module) -> None:
+    for layer in model.net:
+        if not isinstance(layer, nn.Linear | nn.GELU):
+            raise UsageError(f"the TorchScript export knows Linear and GELU layers, not {type(layer).__name__}")
+
+
+def script_aibalance(model: nn.Module, attributes: dict):
+    """The scripted module (aibalance's layout) of a UfsEmulator."""
+    check_layers(model)
+    with quiet_torchscript():
+        return torch.jit.script(AibalanceEmulator(model, attributes))
+
+
+def export_torchscript(run_dir: Path | str, out: Path | str, step: int | None = None) -> dict:
+    """Write aibalance's TorchScript layout of a run to `out`; returns the export's meta (also the archive's
+    meta.json)."""
+    from toolkit.export.load import load_run
+
+    out = check_out(out)
+    model, meta = load_run(run_dir, step)
+    return write_torchscript(model, meta, run_config(run_dir), out)
+
+
+def run_config(run_dir: Path | str) -> dict:
+    """config.json's "config" (load_run has read the file already)."""
+    from toolkit.rundir import RunDir, read_json
+
+    return (read_json(RunDir(Path(run_dir)).config) or {}).get("config") or {}
+
+
+def write_torchscript(model: nn.Module, meta: dict, config: dict, out: Path) -> dict:
+    """aibalance's layout of a UfsEmulator `model` described by `meta` (load_run's) to `out`."""
+    meta = {**meta, "format": "torchscript (aibalance's layout)", "output_activation": output_activation(model)}
+    scripted = script_aibalance(model, model_attributes(model, meta, config))
+    with quiet_torchscript():
+        write_whole(out, lambda path: scripted.save(str(path), _extra_files={"meta.json": json.dumps(meta)}))
+    return meta
+
+
+def load_torchscript(path: Path | str):
+    """(the module, its meta.json) of an archive written by export_torchscript; torch's deprecation warning for
+    torch.jit.load silenced here only."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UsageError(f"{path} {what}; give an archive written by python -m toolkit.export torchscript")
+    extra = {"meta.json": ""}
+    with quiet_torchscript():
+        try:
+            module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+        except Exception as error:  # not a zip, a zip that is not TorchScript, ...
+            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            raise UsageError(
+                f"{path} is not a TorchScript archive ({type(error).__name__}: {first}); python -m "
+                "toolkit.export torchscript RUN_DIR --out FILE.pt writes one"
+            ) from None
+    meta = json.loads(extra["meta.json"]) if extra["meta.json"] else {}
+    return module, meta
