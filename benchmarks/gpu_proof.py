@@ -11,7 +11,8 @@ it. The report is rewritten after every check, so a run cut short still leaves w
    bf16 + --compile and bf16 + --cuda-graphs (refused on CPU), each followed by `toolkit verify`; fp16's checkpoint
    must hold the grad scaler's state.
 3. throughput: the steady-state samples/s of those runs (their last metrics.csv row: the first holds the warm-up and
-   the compilation), side by side per recipe.
+   the compilation), side by side per recipe; and DCRNN's two step kernels (--sequence-kernel fused and cells, fp32)
+   side by side, saying whether `auto`'s choice for this device is the faster.
 4. resume: SASRec and HRM with --deterministic, in fp32, bf16 and bf16 + --cuda-graphs: stopped half-way and
    resumed, against the uninterrupted run: model weights compared byte for byte, and every logged loss.
 5. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16 + --compile) on its generated hard puzzles:
@@ -371,6 +372,28 @@ def check_throughput(proof: Proof, runs: dict, check: Check, recipes=RECIPES, pr
                                  for r in recipes)
 
 
+def check_sequence_kernels(proof: Proof, check: Check) -> None:
+    """DCRNN's two ways of computing a step (--sequence-kernel: fused, one autograd function over the sequence with
+    928 launches a step; cells, autograd cell by cell, 3,009), each in fp32, side by side: `auto` takes fused on CUDA,
+    cells on CPU; this says whether that choice is the faster one on this machine."""
+    steps = proof.profile.steps
+    rates = {}
+    for kernel in ("fused", "cells"):
+        flags = [*proof.profile.recipe_flags["dcrnn"], *PRECISIONS["fp32"], "--sequence-kernel", kernel,
+                 "--max-steps", str(2 * steps), "--eval-every-steps", str(steps), "--log-with", "csv"]
+        run_dir, result = proof.launch("dcrnn", flags, f"dcrnn-kernel-{kernel}")
+        require_success(result, f"dcrnn --sequence-kernel {kernel}")
+        verify(run_dir)
+        rates[kernel] = number(metrics_rows(run_dir)[-1].get("throughput_samples_per_sec"))
+    if not all(rates.values()):
+        raise Failed(f"no throughput figure: {rates}")
+    auto = "fused" if proof.profile.name == "gpu" else "cells"
+    faster = max(rates, key=rates.get)
+    check.detail = (f"fused {rates['fused']:,.0f}, cells {rates['cells']:,.0f} samples/s (fused / cells "
+                    f"{rates['fused'] / rates['cells']:.2f}x); auto takes {auto} here: "
+                    f"{'the faster' if auto == faster else 'NOT the faster'}")
+
+
 def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> None:
     from safetensors.torch import load_file
 
@@ -556,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
                             lambda c, r=recipe, p=precision: check_precision(proof, r, p, c, runs))
         proof.check("throughput", "fp32 / bf16 / bf16+compile",
                     lambda c: check_throughput(proof, runs, c, args.recipes, args.precisions))
+        if "dcrnn" in args.recipes:
+            proof.check("throughput", "dcrnn --sequence-kernel fused / cells",
+                        lambda c: check_sequence_kernels(proof, c))
     if "resume" in wanted:
         for recipe in profile.resume_recipes:
             for precision in profile.resume_precisions:

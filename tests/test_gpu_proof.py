@@ -36,6 +36,7 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
     rows = table_rows(report)
     recipes = ["sasrec", "ufs_emulator", "dcrnn", "hrm"]
     expected = {("doctor", "python -m toolkit doctor"), ("throughput", "fp32 / bf16 / bf16+compile"),
+                ("throughput", "dcrnn --sequence-kernel fused / cells"),
                 ("hrm-sudoku-1k", "first 12 steps"), ("dcrnn-metr-la", "first epoch"),
                 *{("precision", f"{r} {p}") for r in recipes for p in ("fp32", "bf16", "fp16", "bf16+compile",
                                                                      "bf16+cuda-graphs")},
@@ -54,6 +55,8 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
     for recipe in recipes:
         assert re.search(r"verify OK; [\d,]+ samples/s", rows[("precision", f"{recipe} bf16")][1])
     assert "byte-identical" in rows[("resume", "sasrec fp32 --deterministic")][1]
+    kernels = rows[("throughput", "dcrnn --sequence-kernel fused / cells")][1]
+    assert re.search(r"^fused [\d,]+, cells [\d,]+ samples/s \(fused / cells [\d.]+x\); auto takes cells here", kernels)
     hrm = rows[("hrm-sudoku-1k", "first 12 steps")][1]
     assert re.search(r"loss [\d.]+ -> [\d.]+ over 12 steps; peak [\d,]+ MB", hrm)
     assert re.search(r"12 sensors, 3 days: epoch 1 = \d+ steps", rows[("dcrnn-metr-la", "first epoch")][1])
