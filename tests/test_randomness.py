@@ -1,5 +1,6 @@
 """Sampled negatives: never touched by the user, and a function of (seed, epoch, user, position) only."""
 
+import pytest
 import torch
 
 from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform, sample_negatives, step_seed
@@ -128,3 +129,33 @@ def test_keyed_hash_stays_on_the_tensor_keys_device():
     assert keyed_hash(7, 1).device.type == "cpu"
     # the values do not depend on where the keys were: CPU tensors and ints give the int version's bits
     assert keyed_hash(7, 1, torch.tensor(2), 5).item() == keyed_hash_int(7, 1, 2, 5)
+
+
+def test_keyed_keep_masks_a_sample_the_same_on_any_rank():
+    from toolkit import randomness
+
+    randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
+    whole = randomness.keyed_keep(6, 11, 0.3, scale=2.0)
+    second = randomness.keyed_keep(6, 11, 0.3, scale=2.0)  # the next call in the micro-batch: a new mask
+    halves = []
+    for rank in range(3):
+        randomness.begin_micro_batch(seed=1, key=7, rank=rank, world_size=3)
+        halves.append(randomness.keyed_keep(2, 11, 0.3, scale=2.0))
+    randomness.end_micro_batches()
+    assert whole.shape == (6, 11) and set(whole.unique().tolist()) == {0.0, 2.0}
+    assert torch.equal(torch.cat(halves), whole) and not torch.equal(second, whole)
+    assert randomness.keyed_keep(6, 11, 0.3) is None  # outside a micro-batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_keep_from_lanes_is_the_comparison_with_the_threshold(dtype):
+    """The CPU's float arithmetic (float32, float64) and the comparison (other dtypes, GPUs) give the same mask:
+    lanes at or above round(p * 65536) - 32768 kept, every int16 value and both sides of the threshold tried."""
+    from toolkit.randomness import keep_from_lanes
+
+    lanes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(256, 256)
+    for p in (0.0, 0.2, 0.3, 0.5, 0.99):
+        expected = (lanes.int() >= round(p * 65536) - 32768).to(dtype)
+        assert torch.equal(keep_from_lanes(lanes, p, dtype), expected)
+        assert torch.equal(keep_from_lanes(lanes[:, 3:7], p, dtype), expected[:, 3:7])  # a strided view
+        assert torch.equal(keep_from_lanes(lanes, p, dtype, scale=2.0), expected * 2)

@@ -22,9 +22,63 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep_mask
+from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
 
 NORMS = ("post", "pre", "original")
+
+
+def _onednn_linear_available() -> bool:
+    try:
+        x = torch.ones(2, 3)
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._linear_pointwise(x, x, None, "none", [], "").shape == (2, 2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+_ONEDNN_LINEAR: bool | None = None  # decided at the first call
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; on the CPU in float32 through oneDNN's inner product (OneDNNLinear), which at SASRec's sizes (rows
+    of 50 features) runs 1.8-2.6x faster than the MKL GEMM that F.linear calls on an AMD EPYC: forward 1.2-1.3 ms
+    instead of 2.3-3.0 for [25600, 50] x [50, 50]. Not under autocast, compilation or tracing (F.linear there)."""
+    global _ONEDNN_LINEAR
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or not torch.backends.mkldnn.enabled):
+        return F.linear(x, weight, bias)
+    if _ONEDNN_LINEAR is None:
+        _ONEDNN_LINEAR = _onednn_linear_available()
+    return OneDNNLinear.apply(x, weight, bias) if _ONEDNN_LINEAR else F.linear(x, weight, bias)
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """x W^T + b by torch.ops.mkldnn._linear_pointwise (dense CPU tensors, float32); backward: the input's gradient
+    (g W) and the weight's ((x^T g)^T) by the same kernel, the bias's a sum. The same function as F.linear up to
+    float rounding (the order of the sums in each dot product)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.mkldnn._linear_pointwise(grad_rows, weight.t(), None, "none", [], "")
+            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:  # g^T x as (x^T g)^T, the kernel's faster order: 4.4 ms, not mm's 6.3 ([150, 50])
+            grad_weight = torch.ops.mkldnn._linear_pointwise(rows.t(), grad_rows.t(), None, "none", [], "").t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_weight, grad_bias
 
 
 class SelfAttention(nn.Module):
@@ -51,18 +105,21 @@ class SelfAttention(nn.Module):
         if query_in is kv_in:  # self-attention: one [d, 3d] product instead of three (same weights, same names)
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
             bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            q, k, v = (self._split(t) for t in F.linear(query_in, weight, bias).chunk(3, dim=-1))
-        else:
-            q = self._split(self.query(query_in))
-            k, v = self._split(self.key(kv_in)), self._split(self.value(kv_in))
+            qkv = linear(query_in, weight, bias)  # [B, L, 3d]: q, k, v side by side
+        else:  # the original placement: the query from LN(u), keys and values from u in one [d, 2d] product
+            weight, bias = torch.cat([self.key.weight, self.value.weight]), torch.cat([self.key.bias, self.value.bias])
+            qkv = torch.cat([linear(query_in, self.query.weight, self.query.bias), linear(kv_in, weight, bias)], -1)
         p = self.dropout if self.training else 0.0
-        if not self.time_aware and p == 0.0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif not self.time_aware:  # dropout on the attention weights: keyed, so it is the same on any rank
-            out = causal_attention_with_dropout(q, k, v, p)
+        if not self.time_aware and p > 0.0:  # dropout on the attention weights: keyed, so it is the same on any rank
+            out = packed_causal_attention_with_dropout(qkv, self.heads, p)
         else:
-            out = self._time_aware(q, k, v, positions, intervals, p)
-        return self.out(out.transpose(-3, -2).flatten(-2))
+            q, k, v = (self._split(t) for t in qkv.chunk(3, dim=-1))
+            if not self.time_aware:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = self._time_aware(q, k, v, positions, intervals, p)
+            out = out.transpose(-3, -2).flatten(-2)
+        return linear(out, self.out.weight, self.out.bias)
 
     def _time_aware(self, q, k, v, positions, intervals, p) -> torch.Tensor:
         """e_ij = q_i . (k_j + P^K_j + R^K[r_ij]) / sqrt(d_h); out_i = sum_j a_ij (v_j + P^V_j + R^V[r_ij]).
@@ -83,7 +140,7 @@ class SelfAttention(nn.Module):
         weights = logits.softmax(-1)
         scale = 1.0
         if self.training and p > 0.0:
-            # as causal_attention_with_dropout: 0/1, scaled at the output
+            # a 0/1 mask, its 1 / (1 - p) applied to the L times smaller output
             keep = keyed_keep_mask(weights.shape, p, device=weights.device, dtype=weights.dtype)
             weights, scale = (F.dropout(weights, p), 1.0) if keep is None else (weights * keep, 1.0 / (1.0 - p))
         interval_values = self._split(self.interval_value.weight)  # [h, span + 1, d_h]
@@ -96,33 +153,128 @@ class SelfAttention(nn.Module):
         return out if scale == 1.0 else out * scale
 
 
+def query_chunks(length: int, device: torch.device) -> list[tuple[int, int]]:
+    """The query chunks [start, stop) of causal_attention_with_dropout. On the CPU one per ~50 queries, 2 to 4: at
+    maxlen 200, 4 (62.5% of the [L, L] weights computed, against 75% with 2); at maxlen 50, 2 (shorter chunks cost
+    more in per-product overhead than they skip). Elsewhere 2: a GPU pays per kernel launch more than per product."""
+    return even_chunks(length, max(2, min(4, length // 50)) if device.type == "cpu" else 2)
+
+
+def even_chunks(length: int, count: int) -> list[tuple[int, int]]:
+    """[0, length) in min(count, length) consecutive parts of equal size (within one)."""
+    count = min(length, count)
+    bounds = [index * length // count for index in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v; q, k, v: [B, h, L, d_h].
+    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v; q, k, v: [B, h, L, d_h]
+    (packed_causal_attention_with_dropout on q, k, v side by side; the result as [B, h, L, d_h])."""
+    batch, heads, length, dim = q.shape
+    qkv = torch.cat([t.transpose(1, 2).flatten(-2) for t in (q, k, v)], dim=-1)
+    return packed_causal_attention_with_dropout(qkv, heads, p).view(batch, length, heads, dim).transpose(1, 2)
+
+
+def packed_causal_attention_with_dropout(qkv: torch.Tensor, heads: int, p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v, for q, k, v side by side in
+    qkv [B, L, 3d] (h heads of d_h = d / h each); the heads' outputs side by side: [B, L, d].
 
     Written for the CPU, where this is most of SASRec's step at maxlen 200 (the weights are [B, h, L, L]):
-    - the queries go in two halves, and the first half's keys stop where its queries do: the upper right quarter of
-      the weights (all future, all zero) is never computed, a quarter less work in every product, forward and
-      backward;
-    - the scale and the causal mask enter the product itself (one baddbmm, no separate division and masked_fill
-      passes);
-    - the dropout mask is drawn for the whole [L, L] (the same keyed mask as ever) as a 0/1 tensor made in place,
-      and its 1 / (1 - p) scale is applied to the L times smaller output instead of the weights.
+    - the queries go in chunks (query_chunks), and a chunk's keys stop where its queries do: the all-future blocks
+      right of the diagonal are never computed, forward or backward (4 chunks: 37.5% of the weights skipped);
+    - the dropout mask is drawn for the computed blocks only: per sample, head after head, chunk after chunk, each
+      block [rows, stop] row by row, from keyed_keep (a sample's mask does not depend on the rank), 0 or
+      1 / (1 - p);
+    - the backward is written out (CausalAttention), straight into qkv's gradient.
     """
-    batch, heads, length, dim = q.shape
-    keep = keyed_keep_mask((batch, heads, length, length), p, device=q.device, dtype=q.dtype)
-    half = length // 2
-    outputs = []
-    for start, stop in ((0, half), (half, length)) if half else ((0, length),):
-        rows = stop - start  # queries start..stop-1 see keys 0..stop-1 at most
-        future = torch.full((rows, stop), float("-inf"), dtype=q.dtype, device=q.device).triu_(start + 1)
-        logits = torch.baddbmm(future, q[..., start:stop, :].reshape(-1, rows, dim),
-                               k[..., :stop, :].reshape(-1, stop, dim).transpose(1, 2), alpha=1.0 / math.sqrt(dim))
-        weights = logits.softmax(-1).view(batch, heads, rows, stop)
-        # outside a training loop's micro-batch (no key announced): plain dropout
-        weights = F.dropout(weights, p, training=True) if keep is None else weights * keep[..., start:stop, :stop]
-        outputs.append(weights @ v[..., :stop, :])
-    out = torch.cat(outputs, dim=-2) if len(outputs) > 1 else outputs[0]
-    return out if keep is None else out * (1.0 / (1.0 - p))
+    batch, length, width = qkv.shape
+    chunks = query_chunks(length, qkv.device)
+    per_head = sum((stop - start) * stop for start, stop in chunks)
+    scale = 1.0 / (1.0 - p)
+    keep = keyed_keep(batch, heads * per_head, p, device=qkv.device, dtype=qkv.dtype, scale=scale)
+    if keep is None:  # outside a training loop's micro-batch (no key announced): torch's own generator
+        keep = (torch.rand(batch, heads * per_head, device=qkv.device) >= p).to(qkv.dtype).mul_(scale)
+    return CausalAttention.apply(qkv, keep.view(batch * heads, per_head), chunks, heads)
+
+
+class CausalAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d_h) + causal mask) * keep @ v by query chunks, q, k, v side by side in qkv [B, L, 3d];
+    keep: [B * h, sum of rows * stop], the dropout mask (0 or 1 / (1 - p)) of the computed blocks, chunk after chunk.
+
+    Forward per chunk: one product of the chunk's queries with the keys up to its end, scaled inside it, -inf added
+    right of the diagonal in its last [rows, rows] block only, softmax, the mask, one product into the output. The
+    backward of each product is one product, written into qkv's gradient (the last chunk's, which spans every key,
+    first; the others add into it): no zero-filled gradient per slice summed afterwards, as autograd does for
+    slices, and no concatenation of q, k and v's gradients. With one head, q, k and v are views of qkv (row stride
+    3d), which the products read as they are; with more, each is copied to [B * h, L, d_h]. Products written into a
+    slice are bmm(out=...): baddbmm into a strided output falls back to one addmm per sample on the CPU."""
+
+    @staticmethod
+    def forward(ctx, qkv, keep, chunks, heads):
+        batch, length, width = qkv.shape
+        q, k, v = (_heads_first(t, heads) for t in qkv.chunk(3, dim=-1))
+        count, _, dim = q.shape
+        out = q.new_empty(count, length, dim)
+        saved, offset = [], 0
+        with torch.autocast(q.device.type, enabled=False):  # in the inputs' dtype (autocast's products came before)
+            for start, stop in chunks:
+                rows = stop - start
+                logits = torch.baddbmm(q.new_empty(()), q[:, start:stop], k[:, :stop].transpose(1, 2), beta=0.0,
+                                       alpha=1.0 / math.sqrt(dim))  # (input ignored with beta = 0)
+                future = torch.full((rows, rows), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+                logits[:, :, start:].add_(future)  # x + 0 = x, x + -inf = -inf
+                weights = logits.softmax(-1)
+                dropped = weights * keep[:, offset:offset + rows * stop].view(count, rows, stop)
+                offset += rows * stop
+                torch.bmm(dropped, v[:, :stop], out=out[:, start:stop])
+                saved += [weights, dropped]
+        ctx.chunks, ctx.heads = chunks, heads
+        ctx.save_for_backward(qkv, keep, *saved)
+        return out if heads == 1 else out.view(batch, heads, length, dim).transpose(1, 2).reshape(batch, length, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, keep, *saved = ctx.saved_tensors
+        chunks, heads = ctx.chunks, ctx.heads
+        q, k, v = (_heads_first(t, heads) for t in qkv.chunk(3, dim=-1))
+        grad = _heads_first(grad, heads)
+        count, length, dim = q.shape
+        grad_qkv = qkv.new_empty(qkv.shape)
+        grad_q, grad_k, grad_v = (grad_qkv.chunk(3, dim=-1) if heads == 1 else
+                                  (q.new_empty(count, length, dim) for _ in range(3)))
+        offsets = [0]
+        for start, stop in chunks:
+            offsets.append(offsets[-1] + (stop - start) * stop)
+        with torch.autocast(q.device.type, enabled=False):
+            for index in reversed(range(len(chunks))):  # the last chunk spans every key: it writes first
+                start, stop = chunks[index]
+                rows, first = stop - start, index == len(chunks) - 1
+                weights, dropped = saved[2 * index], saved[2 * index + 1]
+                grad_c = grad[:, start:stop]
+                if first:
+                    torch.bmm(dropped.transpose(1, 2), grad_c, out=grad_v)
+                else:
+                    grad_v[:, :stop].add_(torch.bmm(dropped.transpose(1, 2), grad_c))
+                grad_dropped = torch.bmm(grad_c, v[:, :stop].transpose(1, 2))
+                grad_dropped.mul_(keep[:, offsets[index]:offsets[index + 1]].view(count, rows, stop))
+                grad_logits = torch._softmax_backward_data(grad_dropped, weights, -1, weights.dtype)
+                torch.bmm(grad_logits, k[:, :stop], out=grad_q[:, start:stop])
+                if first:
+                    torch.bmm(grad_logits.transpose(1, 2), q[:, start:stop], out=grad_k)
+                else:
+                    grad_k[:, :stop].add_(torch.bmm(grad_logits.transpose(1, 2), q[:, start:stop]))
+            grad_q.mul_(1.0 / math.sqrt(dim)), grad_k.mul_(1.0 / math.sqrt(dim))
+        if heads > 1:
+            for part, grad_part in zip(grad_qkv.chunk(3, dim=-1), (grad_q, grad_k, grad_v), strict=True):
+                part.view(-1, length, heads, dim).copy_(grad_part.view(-1, heads, length, dim).transpose(1, 2))
+        return grad_qkv, None, None, None
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, L, h * d_h] -> [B * h, L, d_h]: a view with one head, a copy with more."""
+    if heads == 1:
+        return x
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1] // heads)
 
 
 def interval_value_sum_by_gather(weights: torch.Tensor, index: torch.Tensor, interval_values: torch.Tensor):
@@ -141,8 +293,8 @@ class FeedForward(nn.Module):
         self.inner, self.outer, self.dropout = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(keyed_dropout(self.inner(x), self.dropout, self.training))
-        return keyed_dropout(self.outer(x), self.dropout, self.training)
+        x = F.relu(keyed_dropout(linear(x, self.inner.weight, self.inner.bias), self.dropout, self.training))
+        return keyed_dropout(linear(x, self.outer.weight, self.outer.bias), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -292,10 +444,14 @@ class SASRec(nn.Module):
         if self.time_aware:
             # r_ij = min(|t_i - t_j|, time_span): [B, L, L]
             intervals = (times.unsqueeze(-1) - times.unsqueeze(-2)).abs().clamp(max=self.time_span)
-        x = self.item_embedding(input_ids) * math.sqrt(self.hidden)
-        if not self.time_aware:
-            x = x + self.position_embedding(positions)
-        keep = (input_ids != 0).unsqueeze(-1)  # [B, L, 1]; padding states are zeroed, as in the original
+        if self.time_aware:
+            x = self.item_embedding(input_ids) * math.sqrt(self.hidden)
+        else:  # positions + sqrt(d) * items in one pass
+            items = self.item_embedding(input_ids)
+            x = torch.add(self.position_embedding(positions), items, alpha=math.sqrt(self.hidden))
+        # [B, L, 1]; padding states are zeroed, as in the original. A 0/1 float, not a bool: x * bool converts the
+        # bool element by element (2.7x slower than x * float on the CPU), and the product is the same.
+        keep = (input_ids != 0).unsqueeze(-1).to(x.dtype)
         x = self.embedding_dropout(x) * keep
         if self.mhc:  # widen the residual stream to n copies: [B, L, n, d]
             x = x.unsqueeze(-2).expand(-1, -1, self.mhc_streams, -1)
@@ -305,13 +461,15 @@ class SASRec(nn.Module):
             attention_post, ffn_post = block.post_norms()
             x = self._sublayer(2 * index, x, lambda u, b=block: b.attention_branch(u, positions, intervals),
                                attention_post)
-            x = self._sublayer(2 * index + 1, x, block.ffn_branch, ffn_post) * keep
+            x = self._sublayer(2 * index + 1, x, block.ffn_branch, ffn_post)
+            x = x * keep.to(x.dtype)  # x may be in autocast's dtype here: the product stays in it
 
         if self.mhc:
             x, keep = x.mean(-2), keep.squeeze(-1)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return x * keep
+        if self.final_norm is None:  # Post-LN: the last block zeroed the padding states already
+            return x
+        x = self.final_norm(x)
+        return x * keep.to(x.dtype)
 
     def _sublayer(self, index: int, x: torch.Tensor, branch, post_norm: nn.Module | None) -> torch.Tensor:
         if self.mhc:
@@ -320,8 +478,12 @@ class SASRec(nn.Module):
         return x if post_norm is None else post_norm(x)
 
     def score_items(self, hidden: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """[N, d] hidden states x [N, K] item ids -> [N, K] dot products with the item embeddings."""
-        return (self.item_embedding(items) @ hidden.unsqueeze(-1)).squeeze(-1)
+        """[N, d] hidden states x [N, K] item ids -> [N, K] dot products with the item embeddings.
+
+        linalg.vecdot, not a batched product of [K, d] x [d, 1] matrices: with K = 2 (training: the target and its
+        negative) bmm pays per tiny matrix, and forward and backward took 11.5 ms for 19,319 positions on the CPU,
+        vecdot 5.2 ms. Under autocast both run in its dtype."""
+        return torch.linalg.vecdot(self.item_embedding(items), hidden.unsqueeze(-2))
 
     def score_all(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, num_items + 1] scores for every item; column 0 is padding (the caller masks it)."""
