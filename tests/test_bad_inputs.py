@@ -66,6 +66,7 @@ BAD_INPUTS = [
     ("batch-zero", ["--batch-size", "0"], ["--batch-size", "0"]),
     ("batch-text", ["--batch-size", "abc"], ["--batch-size", "abc"]),
     ("batch-per-process-zero", ["--batch-per-process", "0"], ["--batch-per-process 0", "positive"]),
+    ("scale-lr-unknown-rule", ["--scale-lr", "quadratic"], ["--scale-lr", "quadratic", "linear", "sqrt"]),
     (
         "batch-size-and-batch-per-process",
         ["--batch-per-process", "8"],
