@@ -76,6 +76,15 @@ def test_cpu_kind_names_the_model_and_the_flags_that_decide_speed():
     assert cpu_kind(cpuinfo, threads="1 and 2 per run").endswith("; 1 and 2 per run threads")
 
 
+def test_cpu_kind_says_when_the_kernels_are_capped_to_emulate_an_older_cpu(monkeypatch):
+    from toolkit.precision import cpu_kind
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    kind = cpu_kind("model name\t: Some CPU\nflags\t\t: avx2 avx512f avx512_bf16\n", threads=1)
+    assert "AVX512_BF16 (kernels capped: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2);" in kind
+
+
 def test_every_benchmark_prints_the_cpus_kind():
     """A figure without the machine's kind is read as if every machine were equal (issue 27): each benchmark script
     (and the side-by-side report the reference scripts share) prints toolkit.precision.cpu_kind."""

@@ -53,6 +53,10 @@ def cpu_kind(cpuinfo: str | None = None, threads: int | str | None = None) -> st
     flags = cpu_flags(cpuinfo)
     has = ", ".join(name for flag, name in SPEED_FLAGS.items() if flag in flags) or "no AVX2/AVX-512/AMX"
     threads = torch.get_num_threads() if threads is None else threads
+    # An AVX2-only machine emulated on a newer one: torch's own kernels, oneDNN's and MKL's capped by these variables
+    capped = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                         "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(name)]
+    has += f" (kernels capped: {' '.join(capped)})" if capped else ""
     return f"{model}; {has}; {os.cpu_count()} CPUs; {threads} threads"
 
 
