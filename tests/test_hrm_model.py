@@ -3,7 +3,9 @@ q_continue in training, never early in evaluation), the carry (halted rows repla
 exploration draws (hashed on the host, then per row) equal to keyed_uniform's, stablemax cross-entropy against a
 float64 reference, AdamATan2 against adam-atan2 0.0.3's kernel formula (one parameter and several), the sparse
 SignSGD on the batch's rows (its leaf made once and cleared by zero_grad), and that update in a real 2-process gloo
-run equal to one process with the same global batch."""
+run equal to one process with the same global batch. The CPU-time paths (issue 27): the target-Q segment's first
+position equal to the whole segment's, a block without gradient equal bit for bit to the one with it, RMSNorm's
+written-out gradient, and the oneDNN products and Functions (equal bit for bit to autograd through their parts)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 from conftest import run_recipe
 
+from toolkit.models import hrm as hrm_module
 from toolkit.models.hrm import (
     HRM,
     AdamATan2,
@@ -22,6 +25,7 @@ from toolkit.models.hrm import (
     SparseSignSGD,
     act_losses,
     fold_key,
+    rms_norm,
     stablemax_cross_entropy,
 )
 from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform
@@ -157,6 +161,129 @@ def test_carry_replaces_halted_rows_and_keeps_running_ones():
     fresh = model(model.initial_carry(second), second)
     assert torch.allclose(out["logits"][0], fresh["logits"][0], atol=1e-6)
     assert not torch.allclose(out["logits"][1], fresh["logits"][1], atol=1e-3)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_the_target_q_segment_computes_the_first_position_as_the_whole_segment_does(positions):
+    """segment(..., logits=False), the target-Q pass, runs H's last block at the first position only (its query
+    against every position's key and value): the same z_L, and the same first position and Q values as the whole
+    segment, in float64."""
+    model = tiny_model(h_layers=2, l_layers=2, positions=positions).double()
+    with torch.no_grad():
+        model.q_head.weight.normal_(0, 0.3)
+        data = batch()
+        x = model.embed(data["inputs"], data["puzzle_ids"])
+        z_h, z_l = torch.randn(2, *x.shape, dtype=torch.float64)
+        whole_h, whole_l, _, whole_q = model.segment(z_h, z_l, x)
+        first_h, first_l, logits, first_q = model.segment(z_h, z_l, x, logits=False)
+    assert logits is None and first_h.shape == (len(x), 1, x.shape[-1])
+    assert torch.equal(first_l, whole_l)
+    torch.testing.assert_close(first_h[:, 0], whole_h[:, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(first_q, whole_q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions):
+    """Without gradient a block writes its sums, norms, rotation and SwiGLU product over its own temporaries: the
+    same values, bit for bit, as the autograd path, and the state it was given unchanged."""
+    model = tiny_model(h_layers=2, positions=positions)
+    x = torch.randn(4, CELLS + 1, 16)
+    kept = x.clone()
+    with torch.no_grad():
+        without = model.h_level(x, x.flip(0), model.rotary)
+    with_gradient = model.h_level(x, x.flip(0), model.rotary)
+    assert with_gradient.requires_grad and torch.equal(x, kept)
+    assert torch.equal(without, with_gradient.detach())
+
+
+def test_rms_norm_gradient_is_autograd_s_of_its_formula():
+    """rms_norm's written-out gradient, r (g - y mean(g y)), against autograd through the formula, in float64; and
+    bfloat16 in, bfloat16 out (normalised in float32), with a gradient."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 8, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(rms_norm(x), x, g)
+    (formula,) = torch.autograd.grad(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5), x, g)
+    torch.testing.assert_close(ours, formula, rtol=1e-12, atol=1e-14)
+    assert torch.autograd.gradcheck(rms_norm, (x,))
+    half = x.detach().to(torch.bfloat16).requires_grad_()
+    out = rms_norm(half)
+    out.float().sum().backward()
+    assert out.dtype == half.grad.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(rms_norm(half), out)
+
+
+def attention_by_parts(attention, x, rotary):
+    """Attention's forward as autograd saw it before _OneDNNAttention: its Linears, Rotary and SDPA."""
+    batch, length, hidden = x.shape
+    qkv = attention.qkv(x).view(batch, length, 3, attention.heads, hidden // attention.heads)
+    if rotary is not None:
+        qk, v = qkv.split([2, 1], dim=2)
+        (q, k), v = rotary(qk.permute(2, 0, 3, 1, 4)).unbind(), v.squeeze(2).transpose(1, 2)
+    else:
+        q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
+    attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return attention.out(attended.transpose(1, 2).reshape(batch, length, hidden))
+
+
+def swiglu_by_parts(mlp, x):
+    gate, up = mlp.gate_up(x).chunk(2, dim=-1)
+    return mlp.down(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.skipif(hrm_module._INNER_PRODUCT is None, reason="this torch has no oneDNN")
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_does(positions):
+    """In float32 on the CPU, Attention and SwiGLU with gradient are one autograd Function each (oneDNN products, the
+    backward written over the forward's temporaries): the same outputs and gradients, bit for bit, as autograd
+    through their parts; a second backward through them is refused; float64 takes F.linear's products."""
+    model = tiny_model(hidden=64, heads=4, positions=positions)  # 160 rows: products of 2M and 5M multiply-adds
+    block = model.h_level.blocks[0]
+    for part, by_parts, inputs in [(block.attention, attention_by_parts, (model.rotary,)),
+                                   (block.mlp, swiglu_by_parts, ())]:
+        results = []
+        for forward in (part, lambda *a, _part=part, _by=by_parts: _by(_part, *a)):
+            x = torch.randn(16, CELLS + 1, 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+            out = forward(x, *inputs)
+            out.backward(torch.ones_like(out) / 7)
+            results.append([out.detach(), x.grad, *[p.grad for p in part.parameters()]])
+            part.zero_grad(set_to_none=True)
+            if forward is part:
+                assert type(out.grad_fn.next_functions[0][0]).__name__.startswith("_OneDNN")
+        for got, want in zip(*results, strict=True):
+            assert torch.equal(got, want)
+        again = part(torch.randn(16, CELLS + 1, 64, requires_grad=True), *inputs).sum()
+        again.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="runs once per forward"):
+            again.backward()
+    double = tiny_model(hidden=64, heads=4, positions=positions).double()
+    x = torch.randn(16, CELLS + 1, 64, dtype=torch.float64)
+    attention = double.h_level.blocks[0].attention
+    assert torch.equal(attention(x, double.rotary), attention_by_parts(attention, x, double.rotary))
+
+
+@pytest.mark.skipif(hrm_module._INNER_PRODUCT is None, reason="this torch has no oneDNN")
+def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_otherwise():
+    """Linear's oneDNN products (forward, and both gradients) equal F.linear's to float32 rounding; a product under
+    ~1M multiply-adds, float64 and autocast take F.linear itself."""
+    torch.manual_seed(4)
+    layer = hrm_module.Linear(64, 192)
+    x = torch.randn(2, 80, 64, requires_grad=True)  # 160 x 64 x 192 = 2M multiply-adds
+    g = torch.randn(2, 80, 192)
+    got = layer(x)
+    assert type(got.grad_fn.next_functions[0][0]).__name__ == "_OneDNNLinearBackward"
+    grads = torch.autograd.grad(got, (x, layer.weight), g)
+    want = torch.nn.functional.linear(x, layer.weight)
+    for a, b in zip((got, *grads), (want, *torch.autograd.grad(want, (x, layer.weight), g)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    small = x[:, :4]  # 8 rows: 98k multiply-adds
+    assert torch.equal(layer(small), torch.nn.functional.linear(small, layer.weight))
+    assert torch.equal(layer.double()(x.double()), torch.nn.functional.linear(x.double(), layer.weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.float()(x).dtype == torch.bfloat16
 
 
 def test_stablemax_cross_entropy_matches_a_float64_reference():

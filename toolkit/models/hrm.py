@@ -20,6 +20,16 @@ there once (made inside the forward, it broke the graph). The model computes wha
 embedding reused by the target-Q segment, the exploration draws compared as integers; so do the losses (the metrics
 summed as one tensor) and AdamATan2 (atan2 in one launch).
 
+CPU time (issue 27, item 1; benchmarks/README.md, references): the target-Q segment computes H's last block at the
+first position only (all q reads); without gradient a block writes its sums, norms and products over its own
+temporaries; RMSNorm's gradient is written out (`_RMSNorm`). In float32 on the CPU (eager, products of >= 1M
+multiply-adds) the linear layers are oneDNN inner products, forward and backward (torch's float32 mm is MKL's, whose
+kernels on an AMD EPYC are AVX2's: oneDNN's AVX-512 ones are ~2.2x faster there), and attention and SwiGLU with
+gradient are one autograd Function each (`_OneDNNAttention`, `_OneDNNSwiGLU`) whose backward writes the gradients
+over the forward's own temporaries: the same operations as autograd through the parts, bit for bit, fewer fresh
+tensors (each fresh megabyte a step is ~256 page faults on glibc's trimmed heap). Elsewhere (CUDA, float64,
+bfloat16 autocast, --compile) the parts run as before.
+
 Also here: stablemax cross-entropy (float64), the Q-learning losses (`act_losses`), AdamATan2 and the sparse
 puzzle-embedding table with its SignSGD update (`PuzzleEmbedding`, `SparseSignSGD`).
 """
@@ -50,8 +60,73 @@ def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
         return nn.init.trunc_normal_(tensor, mean=0.0, std=scaled, a=-2 * scaled, b=2 * scaled)
 
 
+def _onednn_inner_product():
+    """oneDNN's inner product, x @ w.T (mkldnn::_linear_pointwise, the op inductor's CPU linear fusions call), or None
+    where this build of torch has none or it fails on a [2, 3] x [3, 2] product."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise.default
+        x = torch.ones(2, 3)
+        return op if torch.backends.mkldnn.is_available() and op(x, x, None, "none", [], "").shape == (2, 2) else None
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+_INNER_PRODUCT = _onednn_inner_product()
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T by oneDNN (2-D operands, either may be a transposed view)."""
+    return _INNER_PRODUCT(x, weight, None, "none", [], "")
+
+
+_ONEDNN_MIN_MACS = 1 << 20  # below ~1M multiply-adds oneDNN's fixed cost (~10 us a call) outweighs its speed
+
+
+def _by_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether Linear multiplies x [rows, in] by oneDNN: float32 on the CPU, a product of at least _ONEDNN_MIN_MACS,
+    eager (not under --compile, where inductor chooses, nor tracing, nor under autocast, whose bfloat16 products go
+    to oneDNN already), torch.backends.mkldnn not switched off. (toolkit/models/sasrec.py has its own, with a bias.)"""
+    return (_INNER_PRODUCT is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and x.shape[0] * weight.numel() >= _ONEDNN_MIN_MACS
+            and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """x @ w.T and its two gradients (g @ w, g.T @ x), each one oneDNN inner product: on an AMD EPYC (AVX-512) about
+    2.2x the speed of torch's float32 mm (MKL's, whose kernels there are AVX2's), as many launches."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _product(x, weight)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = _product(g, weight.t()) if ctx.needs_input_grad[0] else None
+        grad_weight = _weight_gradient(x, g) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
+# Weight gradients: with AVX-512, oneDNN's beat MKL's mm even with the transposed copy below (1.4-2.2x, AMD EPYC);
+# with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which reads the transposed operand in place, takes
+# them.
+_WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def _weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """g.T @ x. By oneDNN (see _WEIGHT_GRADIENT_BY_ONEDNN), which copies its first operand (transposed here) to be
+    contiguous: the narrower one is copied (x.T @ g where x has fewer columns than g, then transposed into the
+    weight's layout: a copy of the weight's size, one op, where the gradient's accumulation into .grad made two)."""
+    if not _WEIGHT_GRADIENT_BY_ONEDNN:
+        return torch.mm(g.t(), x)
+    return _product(x.t(), g.t()).t().contiguous() if x.shape[1] < g.shape[1] else _product(g.t(), x.t())
+
+
 class Linear(nn.Module):
-    """A bias-free linear layer initialised with a truncated normal of std 1/sqrt(fan_in)."""
+    """A bias-free linear layer initialised with a truncated normal of std 1/sqrt(fan_in). In float32 on the CPU its
+    products (forward and backward) are oneDNN's (`_OneDNNLinear`); otherwise F.linear."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -59,7 +134,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On the 2-D view: the same mm a 3-D input folds into, without matmul's reshape of its result (an op each)
-        return F.linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        flat = x.reshape(-1, x.shape[-1])
+        if not _by_onednn(flat, self.weight):
+            return F.linear(flat, self.weight).view(*x.shape[:-1], -1)
+        if torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad):
+            return _OneDNNLinear.apply(flat, self.weight).view(*x.shape[:-1], -1)
+        return _product(flat, self.weight).view(*x.shape[:-1], -1)
 
 
 _AT_LEAST_FLOAT32 = {dtype: torch.promote_types(dtype, torch.float32)
@@ -72,11 +152,40 @@ def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return _AT_LEAST_FLOAT32.get(dtype) or torch.promote_types(dtype, torch.float32)
 
 
-def rms_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """RMSNorm without a learned scale, computed in at least float32."""
+class _RMSNorm(torch.autograd.Function):
+    """y = x r, r = rsqrt(mean(x^2) + eps), the forward's operations as before, with the gradient written out:
+    dx = r (g - y mean(g y)) in 5 operations (autograd's, through pow, mean, add and rsqrt: 11)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        r = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+        y = x * r
+        ctx.save_for_backward(y, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        y, r = ctx.saved_tensors
+        return (g - y * (g * y).mean(-1, keepdim=True)) * r, None
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-5, inplace: bool = False) -> torch.Tensor:
+    """RMSNorm without a learned scale, computed in at least float32. `inplace` (no gradient, x a temporary of the
+    caller's): the result is written over x when x is already in that precision (the same values)."""
     dtype = x.dtype
     x = x.to(at_least_float32(dtype))
-    return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(dtype)
+    if torch.is_grad_enabled():
+        return _RMSNorm.apply(x, eps).to(dtype)
+    r = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x.mul_(r) if inplace else x * r).to(dtype)
+
+
+def _plus(temporary: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """temporary + other, written over temporary (a result of the caller's, unused elsewhere) when there is no
+    gradient to keep and the sum has its dtype."""
+    if torch.is_grad_enabled() or temporary.dtype != other.dtype:
+        return temporary + other
+    return temporary.add_(other)
 
 
 class Rotary(nn.Module):
@@ -95,7 +204,62 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., L, head_dim]
         # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
         dtype, x = x.dtype, x.to(self.cos.dtype)
-        return (x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.signed_sin).to(dtype)
+        rolled = x.roll(x.shape[-1] // 2, -1)
+        if torch.is_grad_enabled():
+            return (x * self.cos + rolled * self.signed_sin).to(dtype)
+        return (x * self.cos).add_(rolled.mul_(self.signed_sin)).to(dtype)  # the same sums, into the temporaries
+
+
+class _OneDNNAttention(torch.autograd.Function):
+    """Attention.forward with gradient, its products by oneDNN (as `_OneDNNLinear`), SDPA's CPU flash kernels called
+    as F.scaled_dot_product_attention calls them, and the backward written over the forward's own temporaries: the
+    qkv product takes its own gradient (v's, then q's and k's through the rotation), where autograd made five new
+    tensors for the rotation's backward and a sixth for the split's cat. The same operations on the same operands as
+    autograd through Attention's parts, so the same values bit for bit. Its saved tensors are spent: one backward
+    per forward. x is 2-D [batch x length, hidden]; cos and signed_sin are Rotary's tables (None: no rotation)."""
+
+    @staticmethod
+    def forward(ctx, x, w_qkv, w_out, cos, signed_sin, length: int, heads: int):
+        rows, hidden = x.shape
+        qkv = _product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
+        if cos is not None:
+            qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)
+            q, k = (qk * cos).add_(qk.roll(qk.shape[-1] // 2, -1).mul_(signed_sin)).unbind()  # Rotary's sums
+        else:
+            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+        v = qkv[:, :, 2].transpose(1, 2)
+        attended, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        ctx.save_for_backward(x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp)
+        ctx.spent = False
+        return _product(attended.transpose(1, 2).reshape(rows, hidden), w_out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        if ctx.spent:
+            raise RuntimeError("HRM's attention backward runs once per forward (it writes over its saved tensors): "
+                               "a second backward through the same graph (retain_graph) is not supported")
+        ctx.spent = True
+        x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp = ctx.saved_tensors
+        rows, hidden = x.shape
+        flat = attended.transpose(1, 2).reshape(rows, hidden)
+        grad_w_out = _weight_gradient(flat, g) if ctx.needs_input_grad[2] else None
+        grad_attended = _product(g, w_out.t()).view(attended.transpose(1, 2).shape).transpose(1, 2)
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_attended, q, k, qkv[:, :, 2].transpose(1, 2), attended, logsumexp, 0.0, False)
+        qkv[:, :, 2].copy_(grad_v.transpose(1, 2))  # qkv now takes its gradient: v's, then q's and k's
+        if cos is not None:
+            grads = torch.stack([grad_q, grad_k])  # unbind's backward
+            grad_qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)
+            torch.mul(grads, cos, out=grad_qk)  # (qk cos)'s backward, plus (roll(qk) sin)'s, rolled back
+            grad_qk.add_(grads.mul_(signed_sin).roll(-(grads.shape[-1] // 2), -1))
+        else:
+            qkv[:, :, 0].copy_(grad_q.transpose(1, 2))
+            qkv[:, :, 1].copy_(grad_k.transpose(1, 2))
+        grad = qkv.view(rows, -1)
+        grad_x = _product(grad, w_qkv.t()) if ctx.needs_input_grad[0] else None
+        grad_w_qkv = _weight_gradient(x, grad) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w_qkv, grad_w_out, None, None, None, None
 
 
 class Attention(nn.Module):
@@ -105,8 +269,15 @@ class Attention(nn.Module):
         self.qkv = Linear(hidden, 3 * hidden)
         self.out = Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, first_only: bool = False) -> torch.Tensor:
+        """first_only: the output at the first position alone ([B, 1, hidden]; its query against every key)."""
         batch, length, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        if (torch.is_grad_enabled() and not first_only and _by_onednn(flat, self.qkv.weight)
+                and (rotary is None or rotary.cos.dtype == torch.float32)):
+            tables = (rotary.cos, rotary.signed_sin) if rotary is not None else (None, None)
+            out = _OneDNNAttention.apply(flat, self.qkv.weight, self.out.weight, *tables, length, self.heads)
+            return out.view(batch, length, hidden)
         qkv = self.qkv(x).view(batch, length, 3, self.heads, hidden // self.heads)
         # Split where q, k and v lie side by side: their gradients are then joined into qkv's layout directly (split
         # across the permuted dim, qkv's gradient was copied once more to be contiguous). q and k are rotated
@@ -116,14 +287,53 @@ class Attention(nn.Module):
             (q, k), v = rotary(qk.permute(2, 0, 3, 1, 4)).unbind(), v.squeeze(2).transpose(1, 2)
         else:
             q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
+        if first_only:
+            q = q[:, :, :1]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=False)
-        return self.out(attended.transpose(1, 2).reshape(batch, length, hidden))
+        return self.out(attended.transpose(1, 2).reshape(batch, q.shape[2], hidden))
 
 
 def swiglu_width(hidden: int, expansion: float) -> int:
     """2/3 of expansion x hidden, rounded up to a multiple of 256 (the reference's choice)."""
     width = round(expansion * hidden * 2 / 3)
     return (width + 255) // 256 * 256
+
+
+class _OneDNNSwiGLU(torch.autograd.Function):
+    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (as `_OneDNNLinear`), and the
+    backward written over the forward's own temporaries: silu(gate) takes up's gradient and the gate_up product
+    takes its own gradient (gate's, then up's), where autograd made four new tensors of that size (two products,
+    silu's backward and chunk's cat). The same operations on the same operands as autograd through the parts, so
+    the same values bit for bit. Its saved tensors are spent: one backward per forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        gate_up = _product(x, w_gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        product = activated * up
+        ctx.save_for_backward(x, w_gate_up, w_down, gate_up, activated, product)
+        ctx.spent = False
+        return _product(product, w_down)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        if ctx.spent:
+            raise RuntimeError("HRM's SwiGLU backward runs once per forward (it writes over its saved tensors): "
+                               "a second backward through the same graph (retain_graph) is not supported")
+        ctx.spent = True
+        x, w_gate_up, w_down, gate_up, activated, product = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_w_down = _weight_gradient(product, g) if ctx.needs_input_grad[2] else None
+        grad_product = _product(g, w_down.t())
+        grad_up = activated.mul_(grad_product)  # MulBackward's grad * silu(gate)
+        grad_activated = grad_product.mul_(up)  # and grad * up
+        torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
+        up.copy_(grad_up)  # gate_up now holds its gradient, [gate's, up's]
+        grad_x = _product(gate_up, w_gate_up.t()) if ctx.needs_input_grad[0] else None
+        grad_w_gate_up = _weight_gradient(x, gate_up) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w_gate_up, grad_w_down
 
 
 class SwiGLU(nn.Module):
@@ -134,21 +344,29 @@ class SwiGLU(nn.Module):
         self.down = Linear(width, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled() and _by_onednn(flat, self.gate_up.weight):
+            return _OneDNNSwiGLU.apply(flat, self.gate_up.weight, self.down.weight).view(*x.shape[:-1], -1)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        if torch.is_grad_enabled():
+            return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up))  # the same values, the product written over silu's
 
 
 class Block(nn.Module):
-    """Post-norm: x = norm(x + attention(x)); x = norm(x + mlp(x))."""
+    """Post-norm: x = norm(x + attention(x)); x = norm(x + mlp(x)). Without gradient, each sum and norm is written
+    over the block's own temporaries (the same values, fewer fresh allocations)."""
 
     def __init__(self, hidden: int, heads: int, expansion: float):
         super().__init__()
         self.attention = Attention(hidden, heads)
         self.mlp = SwiGLU(hidden, expansion)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
-        x = rms_norm(x + self.attention(x, rotary))
-        return rms_norm(x + self.mlp(x))
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, first_only: bool = False) -> torch.Tensor:
+        """first_only: the first position's output alone ([B, 1, hidden]), what the target-Q segment reads."""
+        attended = self.attention(x, rotary, first_only)
+        x = rms_norm(_plus(attended, x[:, :1] if first_only else x), inplace=True)
+        return rms_norm(_plus(self.mlp(x), x), inplace=True)
 
 
 class ReasoningModule(nn.Module):
@@ -158,10 +376,13 @@ class ReasoningModule(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList([Block(hidden, heads, expansion) for _ in range(layers)])
 
-    def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None) -> torch.Tensor:
+    def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None,
+                first_only: bool = False) -> torch.Tensor:
+        """first_only: the last block computes the first position's output alone ([B, 1, hidden])."""
         state = state + injection
-        for block in self.blocks:
-            state = block(state, rotary)
+        last = len(self.blocks) - 1
+        for index, block in enumerate(self.blocks):
+            state = block(state, rotary, first_only and index == last)
         return state
 
 
@@ -481,7 +702,9 @@ class HRM(nn.Module):
 
     def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor, logits: bool = True):
         """(z_h, z_l, logits [B, seq, vocab] (None without `logits`), q [B, 2] float32) from the embedded input x:
-        H_cycles x L_cycles updates, the last L and H update with gradient (one-step gradient)."""
+        H_cycles x L_cycles updates, the last L and H update with gradient (one-step gradient). Without `logits`
+        (the target-Q segment: q alone), H's last block computes the first position only (the one q reads; its
+        query against every position's key and value), and the z_h returned is that position's [B, 1, hidden]."""
         with torch.no_grad():
             for h in range(self.h_cycles):
                 for l_step in range(self.l_cycles):
@@ -490,7 +713,7 @@ class HRM(nn.Module):
                 if h != self.h_cycles - 1:
                     z_h = self.h_level(z_h, z_l, self.rotary)
         z_l = self.l_level(z_l, z_h + x, self.rotary)
-        z_h = self.h_level(z_h, z_l, self.rotary)
+        z_h = self.h_level(z_h, z_l, self.rotary, first_only=not logits)
         logits = self.lm_head(z_h)[:, self.puzzle_len:] if logits else None
         q = self.q_head(z_h[:, 0])
         q = q.to(at_least_float32(q.dtype))
