@@ -324,6 +324,7 @@ def test_onednn_linear_is_f_linear_forward_and_backward():
     weight, bias = torch.randn(6, 5, generator=g, requires_grad=True), torch.randn(6, generator=g, requires_grad=True)
     upstream = torch.randn(3, 7, 6, generator=g)
     actual = linear(x, weight, bias)
+    assert type(actual.grad_fn).__name__ == "OneDNNLinearBackward"  # oneDNN's, not F.linear's
     expected = F.linear(x, weight, bias)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
     grads = torch.autograd.grad(actual, (x, weight, bias), upstream)

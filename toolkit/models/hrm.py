@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.models import onednn
 from toolkit.randomness import _MASK32, _mix32, keyed_hash_int
 
 IGNORE_LABEL = -100
@@ -60,73 +61,18 @@ def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
         return nn.init.trunc_normal_(tensor, mean=0.0, std=scaled, a=-2 * scaled, b=2 * scaled)
 
 
-def _onednn_inner_product():
-    """oneDNN's inner product, x @ w.T (mkldnn::_linear_pointwise, the op inductor's CPU linear fusions call), or None
-    where this build of torch has none or it fails on a [2, 3] x [3, 2] product."""
-    try:
-        op = torch.ops.mkldnn._linear_pointwise.default
-        x = torch.ones(2, 3)
-        return op if torch.backends.mkldnn.is_available() and op(x, x, None, "none", [], "").shape == (2, 2) else None
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return None
-
-
-_INNER_PRODUCT = _onednn_inner_product()
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T by oneDNN (2-D operands, either may be a transposed view)."""
-    return _INNER_PRODUCT(x, weight, None, "none", [], "")
-
-
 _ONEDNN_MIN_MACS = 1 << 20  # below ~1M multiply-adds oneDNN's fixed cost (~10 us a call) outweighs its speed
 
 
 def _by_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether Linear multiplies x [rows, in] by oneDNN: float32 on the CPU, a product of at least _ONEDNN_MIN_MACS,
-    eager (not under --compile, where inductor chooses, nor tracing, nor under autocast, whose bfloat16 products go
-    to oneDNN already), torch.backends.mkldnn not switched off. (toolkit/models/sasrec.py has its own, with a bias.)"""
-    return (_INNER_PRODUCT is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and x.shape[0] * weight.numel() >= _ONEDNN_MIN_MACS
-            and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """x @ w.T and its two gradients (g @ w, g.T @ x), each one oneDNN inner product: on an AMD EPYC (AVX-512) about
-    2.2x the speed of torch's float32 mm (MKL's, whose kernels there are AVX2's), as many launches."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return _product(x, weight)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = _product(g, weight.t()) if ctx.needs_input_grad[0] else None
-        grad_weight = _weight_gradient(x, g) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight
-
-
-# Weight gradients: with AVX-512, oneDNN's beat MKL's mm even with the transposed copy below (1.4-2.2x, AMD EPYC);
-# with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which reads the transposed operand in place, takes
-# them.
-_WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-def _weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """g.T @ x. By oneDNN (see _WEIGHT_GRADIENT_BY_ONEDNN), which copies its first operand (transposed here) to be
-    contiguous: the narrower one is copied (x.T @ g where x has fewer columns than g, then transposed into the
-    weight's layout: a copy of the weight's size, one op, where the gradient's accumulation into .grad made two)."""
-    if not _WEIGHT_GRADIENT_BY_ONEDNN:
-        return torch.mm(g.t(), x)
-    return _product(x.t(), g.t()).t().contiguous() if x.shape[1] < g.shape[1] else _product(g.t(), x.t())
+    """Whether HRM's products of x [rows, in] by weight go to oneDNN (toolkit.models.onednn.eligible, from ~1M
+    multiply-adds)."""
+    return onednn.eligible(x, weight, _ONEDNN_MIN_MACS)
 
 
 class Linear(nn.Module):
     """A bias-free linear layer initialised with a truncated normal of std 1/sqrt(fan_in). In float32 on the CPU its
-    products (forward and backward) are oneDNN's (`_OneDNNLinear`); otherwise F.linear."""
+    products (forward and backward) are oneDNN's (`toolkit.models.onednn.OneDNNLinear`); otherwise F.linear."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -135,11 +81,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On the 2-D view: the same mm a 3-D input folds into, without matmul's reshape of its result (an op each)
         flat = x.reshape(-1, x.shape[-1])
-        if not _by_onednn(flat, self.weight):
-            return F.linear(flat, self.weight).view(*x.shape[:-1], -1)
-        if torch.is_grad_enabled() and (flat.requires_grad or self.weight.requires_grad):
-            return _OneDNNLinear.apply(flat, self.weight).view(*x.shape[:-1], -1)
-        return _product(flat, self.weight).view(*x.shape[:-1], -1)
+        return onednn.linear(flat, self.weight, min_macs=_ONEDNN_MIN_MACS).view(*x.shape[:-1], -1)
 
 
 _AT_LEAST_FLOAT32 = {dtype: torch.promote_types(dtype, torch.float32)
@@ -211,7 +153,7 @@ class Rotary(nn.Module):
 
 
 class _OneDNNAttention(torch.autograd.Function):
-    """Attention.forward with gradient, its products by oneDNN (as `_OneDNNLinear`), SDPA's CPU flash kernels called
+    """Attention.forward with gradient, its products by oneDNN (toolkit.models.onednn), SDPA's CPU flash kernels called
     as F.scaled_dot_product_attention calls them, and the backward written over the forward's own temporaries: the
     qkv product takes its own gradient (v's, then q's and k's through the rotation), where autograd made five new
     tensors for the rotation's backward and a sixth for the split's cat. The same operations on the same operands as
@@ -221,7 +163,7 @@ class _OneDNNAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, w_out, cos, signed_sin, length: int, heads: int):
         rows, hidden = x.shape
-        qkv = _product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
+        qkv = onednn.product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
         if cos is not None:
             qk = qkv[:, :, :2].permute(2, 0, 3, 1, 4)
             q, k = (qk * cos).add_(qk.roll(qk.shape[-1] // 2, -1).mul_(signed_sin)).unbind()  # Rotary's sums
@@ -231,7 +173,7 @@ class _OneDNNAttention(torch.autograd.Function):
         attended, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         ctx.save_for_backward(x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp)
         ctx.spent = False
-        return _product(attended.transpose(1, 2).reshape(rows, hidden), w_out)
+        return onednn.product(attended.transpose(1, 2).reshape(rows, hidden), w_out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -243,8 +185,8 @@ class _OneDNNAttention(torch.autograd.Function):
         x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp = ctx.saved_tensors
         rows, hidden = x.shape
         flat = attended.transpose(1, 2).reshape(rows, hidden)
-        grad_w_out = _weight_gradient(flat, g) if ctx.needs_input_grad[2] else None
-        grad_attended = _product(g, w_out.t()).view(attended.transpose(1, 2).shape).transpose(1, 2)
+        grad_w_out = onednn.weight_gradient(flat, g) if ctx.needs_input_grad[2] else None
+        grad_attended = onednn.product(g, w_out.t()).view(attended.transpose(1, 2).shape).transpose(1, 2)
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_attended, q, k, qkv[:, :, 2].transpose(1, 2), attended, logsumexp, 0.0, False)
         qkv[:, :, 2].copy_(grad_v.transpose(1, 2))  # qkv now takes its gradient: v's, then q's and k's
@@ -257,8 +199,8 @@ class _OneDNNAttention(torch.autograd.Function):
             qkv[:, :, 0].copy_(grad_q.transpose(1, 2))
             qkv[:, :, 1].copy_(grad_k.transpose(1, 2))
         grad = qkv.view(rows, -1)
-        grad_x = _product(grad, w_qkv.t()) if ctx.needs_input_grad[0] else None
-        grad_w_qkv = _weight_gradient(x, grad) if ctx.needs_input_grad[1] else None
+        grad_x = onednn.product(grad, w_qkv.t()) if ctx.needs_input_grad[0] else None
+        grad_w_qkv = onednn.weight_gradient(x, grad) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w_qkv, grad_w_out, None, None, None, None
 
 
@@ -300,7 +242,7 @@ def swiglu_width(hidden: int, expansion: float) -> int:
 
 
 class _OneDNNSwiGLU(torch.autograd.Function):
-    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (as `_OneDNNLinear`), and the
+    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (toolkit.models.onednn), and the
     backward written over the forward's own temporaries: silu(gate) takes up's gradient and the gate_up product
     takes its own gradient (gate's, then up's), where autograd made four new tensors of that size (two products,
     silu's backward and chunk's cat). The same operations on the same operands as autograd through the parts, so
@@ -308,13 +250,13 @@ class _OneDNNSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        gate_up = _product(x, w_gate_up)
+        gate_up = onednn.product(x, w_gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.silu(gate)
         product = activated * up
         ctx.save_for_backward(x, w_gate_up, w_down, gate_up, activated, product)
         ctx.spent = False
-        return _product(product, w_down)
+        return onednn.product(product, w_down)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -325,14 +267,14 @@ class _OneDNNSwiGLU(torch.autograd.Function):
         ctx.spent = True
         x, w_gate_up, w_down, gate_up, activated, product = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
-        grad_w_down = _weight_gradient(product, g) if ctx.needs_input_grad[2] else None
-        grad_product = _product(g, w_down.t())
+        grad_w_down = onednn.weight_gradient(product, g) if ctx.needs_input_grad[2] else None
+        grad_product = onednn.product(g, w_down.t())
         grad_up = activated.mul_(grad_product)  # MulBackward's grad * silu(gate)
         grad_activated = grad_product.mul_(up)  # and grad * up
         torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
         up.copy_(grad_up)  # gate_up now holds its gradient, [gate's, up's]
-        grad_x = _product(gate_up, w_gate_up.t()) if ctx.needs_input_grad[0] else None
-        grad_w_gate_up = _weight_gradient(x, gate_up) if ctx.needs_input_grad[1] else None
+        grad_x = onednn.product(gate_up, w_gate_up.t()) if ctx.needs_input_grad[0] else None
+        grad_w_gate_up = onednn.weight_gradient(x, gate_up) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w_gate_up, grad_w_down
 
 

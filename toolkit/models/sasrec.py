@@ -22,63 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.models.onednn import linear  # F.linear, by oneDNN on the CPU in float32 (1.8-2.6x at these sizes)
 from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
 
 NORMS = ("post", "pre", "original")
-
-
-def _onednn_linear_available() -> bool:
-    try:
-        x = torch.ones(2, 3)
-        return bool(torch.backends.mkldnn.is_available()
-                    and torch.ops.mkldnn._linear_pointwise(x, x, None, "none", [], "").shape == (2, 2))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-_ONEDNN_LINEAR: bool | None = None  # decided at the first call
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear; on the CPU in float32 through oneDNN's inner product (OneDNNLinear), which at SASRec's sizes (rows
-    of 50 features) runs 1.8-2.6x faster than the MKL GEMM that F.linear calls on an AMD EPYC: forward 1.2-1.3 ms
-    instead of 2.3-3.0 for [25600, 50] x [50, 50]. Not under autocast, compilation or tracing (F.linear there)."""
-    global _ONEDNN_LINEAR
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or not torch.backends.mkldnn.enabled):
-        return F.linear(x, weight, bias)
-    if _ONEDNN_LINEAR is None:
-        _ONEDNN_LINEAR = _onednn_linear_available()
-    return OneDNNLinear.apply(x, weight, bias) if _ONEDNN_LINEAR else F.linear(x, weight, bias)
-
-
-class OneDNNLinear(torch.autograd.Function):
-    """x W^T + b by torch.ops.mkldnn._linear_pointwise (dense CPU tensors, float32); backward: the input's gradient
-    (g W) and the weight's ((x^T g)^T) by the same kernel, the bias's a sum. The same function as F.linear up to
-    float rounding (the order of the sums in each dot product)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        ctx.save_for_backward(rows, weight)
-        ctx.has_bias = bias is not None
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.mkldnn._linear_pointwise(grad_rows, weight.t(), None, "none", [], "")
-            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
-        if ctx.needs_input_grad[1]:  # g^T x as (x^T g)^T, the kernel's faster order: 4.4 ms, not mm's 6.3 ([150, 50])
-            grad_weight = torch.ops.mkldnn._linear_pointwise(rows.t(), grad_rows.t(), None, "none", [], "").t()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_rows.sum(0)
-        return grad_x, grad_weight, grad_bias
 
 
 class SelfAttention(nn.Module):

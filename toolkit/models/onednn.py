@@ -1,0 +1,96 @@
+"""Float32 linear layers on the CPU through oneDNN's inner product, for every model that wants them.
+
+torch's float32 `F.linear` / `mm` on the CPU calls MKL's GEMM, which on the AMD EPYC these recipes were measured on
+runs AVX2 kernels: at SASRec's and HRM's sizes oneDNN's inner product (AVX-512 there) is 1.8-2.6x faster, forward
+and backward (benchmarks/README.md, issues 23 and 27). The op is torch's own, `torch.ops.mkldnn._linear_pointwise`
+(the one inductor's CPU linear fusions call): private, so its presence is checked once, and every other case takes
+F.linear: CUDA, other dtypes, autocast (whose bfloat16 products go to oneDNN already), torch.compile and tracing
+(inductor chooses there), `torch.backends.mkldnn.enabled = False`, and products too small to pay oneDNN's fixed cost.
+
+    linear(x, weight, bias=None, min_macs=0)   # F.linear's function, by oneDNN where it pays
+    eligible(x, weight, min_macs)              # whether it would
+    product(x, weight)                         # x @ weight.T by oneDNN (2-D), for hand-written backward passes
+    weight_gradient(x, g)                      # g.T @ x, by oneDNN where that is the faster (AVX-512), else mm
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def available() -> bool:
+    """This torch has oneDNN's inner product, and it works (a [2, 3] x [3, 2] product); checked at the first use."""
+    try:
+        x = torch.ones(2, 3)
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._linear_pointwise(x, x, None, "none", [], "").shape == (2, 2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, min_macs: int = 0) -> bool:
+    """Whether x [..., in] @ weight.T goes to oneDNN: float32 on the CPU, eager, at least `min_macs` multiply-adds."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.numel() // max(x.shape[-1], 1) * weight.numel() >= min_macs
+            and torch.backends.mkldnn.enabled and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing() and available())
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by oneDNN; 2-D operands, either may be a transposed view."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# Weight gradients: with AVX-512, oneDNN's beat MKL's mm even with the transposed copy it makes (1.4-2.2x, AMD EPYC);
+# with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which reads the transposed operand in place, takes
+# them.
+_WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """g.T @ x for 2-D x [rows, in] and g [rows, out]. oneDNN copies its first operand (transposed here) to be
+    contiguous, so the narrower one is copied (x.T @ g where x has fewer columns than g, then transposed into the
+    weight's layout)."""
+    if not _WEIGHT_GRADIENT_BY_ONEDNN:
+        return torch.mm(g.t(), x)
+    return product(x.t(), g.t()).t().contiguous() if x.shape[1] < g.shape[1] else product(g.t(), x.t())
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """x W^T + b and its gradients (g W; g^T x by weight_gradient; the bias's a sum), each one oneDNN product: the
+    same function as F.linear up to float rounding (the order of the sums in each dot product)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = product(grad_rows, weight.t()).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(rows, grad_rows)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_macs: int = 0) -> torch.Tensor:
+    """F.linear(x, weight, bias), by oneDNN where `eligible`: with autograd's graph through OneDNNLinear when a
+    gradient is wanted, else the bare product."""
+    if not eligible(x, weight, min_macs):
+        return F.linear(x, weight, bias)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if wants_grad:
+        return OneDNNLinear.apply(x, weight, bias)
+    return product(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
