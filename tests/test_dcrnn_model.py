@@ -111,6 +111,22 @@ def test_a_few_adam_steps_lower_the_error():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def assert_low_precision_close_to_float64(model, adjacency, x, teacher, coins, out, weights, eps):
+    """A forward under autocast (out) and its float32 gradients are within the low dtype's rounding (eps) of the
+    float64 recurrence's: the output within 2 eps (and above eps/32: it did compute in low precision), the gradients
+    within 4 eps in all and 16 eps per parameter."""
+    grads = torch.autograd.grad((out.float() * weights).sum(), list(model.parameters()))
+    model64 = copy.deepcopy(model).double()
+    reference = _recurrence_dcrnn(model64, adjacency, x.double(), teacher.double(), coins)
+    expected = torch.autograd.grad((reference * weights.double()).sum(), list(model64.parameters()))
+    error = (out.double() - reference).abs().max().item()
+    assert eps / 32 < error < 2 * eps, (error, eps)
+    flat = torch.cat([g.double().flatten() for g in grads]), torch.cat([g.flatten() for g in expected])
+    assert (flat[0] - flat[1]).norm() < 4 * eps * flat[1].norm(), ((flat[0] - flat[1]).norm() / flat[1].norm(), eps)
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
+        assert got.dtype == torch.float32 and (got.double() - want).norm() < 16 * eps * want.norm(), name
+
+
 def _recurrence_dcrnn(model, adjacency, x, teacher=None, use_teacher=None):
     """The straightforward formulation, with `model`'s parameters: per conv, the recurrence x_k = 2 S x_{k-1} - x_{k-2}
     over each support, the 2K + 1 copies of [input, state] concatenated (matrix-major) into one linear map per gate."""
@@ -222,17 +238,7 @@ def test_trains_under_autocast_on_either_path(sparse, adjacency, dtype):
         out = model(x, teacher, coins)
     assert out.dtype == dtype
     assert {key[1] for key in model.diffusion._cache} == {torch.float32, dtype}  # fp32 and low-precision diffusions
-    grads = torch.autograd.grad((out.float() * weights).sum(), list(model.parameters()))
-
-    model64 = copy.deepcopy(model).double()
-    reference = _recurrence_dcrnn(model64, adjacency, x.double(), teacher.double(), coins)
-    expected = torch.autograd.grad((reference * weights.double()).sum(), list(model64.parameters()))
-    error = (out.double() - reference).abs().max().item()
-    assert eps / 32 < error < 2 * eps, (error, eps)
-    flat = torch.cat([g.double().flatten() for g in grads]), torch.cat([g.flatten() for g in expected])
-    assert (flat[0] - flat[1]).norm() < 4 * eps * flat[1].norm(), ((flat[0] - flat[1]).norm() / flat[1].norm(), eps)
-    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
-        assert got.dtype == torch.float32 and (got.double() - want).norm() < 16 * eps * want.norm(), name
+    assert_low_precision_close_to_float64(model, adjacency, x, teacher, coins, out, weights, eps)
 
     torch.manual_seed(0)
     low = _train(DCRNN(adjacency, units=4), dtype)
@@ -372,16 +378,7 @@ def test_fused_kernel_under_autocast_is_within_the_dtypes_rounding(adjacency, dt
         out = model(x, teacher, coins)
     assert out.dtype == dtype and model.diffusion._cache == {}  # the cells' operators unused
     assert {key[1] for key in model.diffusion._fused_cache} == {dtype}
-    grads = torch.autograd.grad((out.float() * weights).sum(), list(model.parameters()))
-    model64 = copy.deepcopy(model).double()
-    reference = _recurrence_dcrnn(model64, adjacency, x.double(), teacher.double(), coins)
-    expected = torch.autograd.grad((reference * weights.double()).sum(), list(model64.parameters()))
-    error = (out.double() - reference).abs().max().item()
-    assert eps / 32 < error < 2 * eps, (error, eps)
-    flat = torch.cat([g.double().flatten() for g in grads]), torch.cat([g.flatten() for g in expected])
-    assert (flat[0] - flat[1]).norm() < 4 * eps * flat[1].norm(), ((flat[0] - flat[1]).norm() / flat[1].norm(), eps)
-    for (name, _), got, want in zip(model.named_parameters(), grads, expected, strict=True):
-        assert got.dtype == torch.float32 and (got.double() - want).norm() < 16 * eps * want.norm(), name
+    assert_low_precision_close_to_float64(model, adjacency, x, teacher, coins, out, weights, eps)
 
 
 def test_under_autocast_the_fused_kernels_operators_are_built_once(monkeypatch):

@@ -38,32 +38,26 @@ def trained_run(tmp_path_factory):
     return train_tiny_run(tmp_path_factory.mktemp("ufs-export"))
 
 
-@pytest.fixture(scope="module")
-def exported(trained_run):
-    """The package, written by the CLI in a fresh interpreter where any DeprecationWarning is an error (so TorchScript,
-    deprecated in torch 2.13, is nowhere on the export path, imports included)."""
-    run_dir, _ = trained_run
-    out = run_dir.parent / "emulator.pt2"
+def export_cli(artefact: str, run_dir: Path, out: Path) -> subprocess.CompletedProcess:
+    """`python -m toolkit.export ARTEFACT RUN --out OUT` in a fresh interpreter where any DeprecationWarning is an
+    error (so TorchScript, deprecated in torch 2.13, is on no export path but its own, imports included)."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "error::DeprecationWarning",
-            "-m",
-            "toolkit.export",
-            "aoti",
-            str(run_dir),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+        [sys.executable, "-W", "error::DeprecationWarning", "-m", "toolkit.export", artefact, str(run_dir), "--out",
+         str(out)],
+        cwd=ROOT, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
     )
     assert done.returncode == 0, done.stderr
-    assert f"wrote {out}" in done.stdout and "step_" in done.stdout and "Jacobian" in done.stdout
+    assert f"wrote {out}" in done.stdout and "step_" in done.stdout
     assert "Warning" not in done.stderr, done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run):
+    """The package, written by the CLI (export_cli)."""
+    run_dir, _ = trained_run
+    out = run_dir.parent / "emulator.pt2"
+    assert "Jacobian" in export_cli("aoti", run_dir, out).stdout
     return out
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import dir_tree, final_weights, read_json, run_recipe
 from safetensors.torch import load_file
+from test_ufs_export import run_export
 
 from toolkit.data.ufs import synthesize
-from toolkit.export import main as export_main
 from toolkit.models.ufs_emulator import UfsEmulator, from_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ufs-predict")]
@@ -64,16 +64,6 @@ def file_cells(ocean: Path, atmos: Path, *, north: bool = True, ice: bool = True
         columns = [(air if name == "tair" else ds)[name].values[0].astype(np.float64).ravel()[cells]
                    for name in SOCA_INPUTS]
     return domain, torch.from_numpy(np.stack(columns, axis=1))
-
-
-def run_export(argv: list[str], capfd) -> tuple[int, str, str]:
-    try:
-        export_main(argv)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capfd.readouterr()
-    return code, captured.out, captured.err
 
 
 def predict(run_dir, ocean, atmos, out, capfd, *more) -> str:

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_json
+from conftest import read_json
 from safetensors.torch import load_file
 from test_ufs_export import (
     assert_refused_here,
     best_model,
     build_cpp_consumer,
     domain_inputs,
+    export_cli,
     per_input_error,
     run_export,
     train_tiny_run,
@@ -88,26 +87,7 @@ def torchscript_export(trained_run):
     """aibalance's layout, written by the CLI in a fresh interpreter where any DeprecationWarning is an error."""
     run_dir, _ = trained_run
     out = run_dir.parent / "torchscript" / "emulator.pt"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "error::DeprecationWarning",
-            "-m",
-            "toolkit.export",
-            "torchscript",
-            str(run_dir),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
-    )
-    assert done.returncode == 0, done.stderr
-    assert f"wrote {out}" in done.stdout and "jac_physical" in done.stdout and "step_" in done.stdout
-    assert "Warning" not in done.stderr, done.stderr
+    assert "jac_physical" in export_cli("torchscript", run_dir, out).stdout
     return out
 
 
