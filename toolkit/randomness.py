@@ -130,8 +130,8 @@ def keep_from_lanes(lanes: torch.Tensor, p: float, dtype: torch.dtype = torch.fl
         # The same 0/1 by arithmetic on the integers (exact in float): int16 -> float, - (threshold - 1), clamp to
         # [0, 1]. On the CPU 0.8 ms for 2.56M elements, where the comparison and its bool -> float copy took 1.7 ms.
         keep = lanes.to(dtype).sub_(threshold - 1).clamp_(0.0, 1.0)
-    else:  # two kernels (a GPU counts launches); bool viewed as uint8 converts faster than bool itself
-        keep = (lanes >= threshold).view(torch.uint8).to(dtype)
+    else:  # two kernels (a GPU counts launches). Not bool viewed as uint8: inductor cannot lower that view on CUDA
+        keep = (lanes >= threshold).to(dtype)
     return keep if scale == 1.0 else keep.mul_(scale)
 
 
