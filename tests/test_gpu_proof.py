@@ -85,8 +85,12 @@ def test_hrm_steps_sets_the_sudoku_check_and_too_few_is_one_line(tmp_path, movie
     assert few.returncode == 2 and few.stderr.strip().splitlines() == [
         "error: --hrm-steps 2 is too few; give at least 4 (the loss is compared over them)"]
     assert list(tmp_path.iterdir()) == []
+    cache = tmp_path / "cache"  # empty: the puzzles are built in the background from the start, then the run reads them
     done = subprocess.run([sys.executable, PROOF, "--out", str(tmp_path / "R.md"), "--cpu", "--only", "hrm-sudoku-1k",
-                           "--hrm-steps", "8", "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                           "--hrm-steps", "8", "--workdir", str(tmp_path / "work"), "--cache-dir", str(cache)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     report = (tmp_path / "R.md").read_text()
     assert "| hrm-sudoku-1k | first 8 steps | PASS |" in report, done.stdout + done.stderr
+    assert re.search(r"puzzles built in the background, waited \d+ s for them \|", report), report
+    # one dataset in the cache: the run found the background's (built from its own flags), it built no other
+    assert [p.name.split("-")[:2] for p in (cache / "processed").iterdir()] == [["sudoku", "generated"]]
