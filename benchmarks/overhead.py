@@ -6,6 +6,7 @@ reduction), side by side in one process. Rounds alternate between the two so mac
     python benchmarks/overhead.py --recipe sasrec          # SASRec d=50, 2 blocks, maxlen 200, batch 128 (~250 ms/step)
     python benchmarks/overhead.py --recipe dcrnn           # DCRNN cpu preset on a generated 50-sensor network, batch 64
     python benchmarks/overhead.py --recipe ufs_emulator    # the UFS MLP 3 x 64, batch 1000 (~1 ms/step)
+    python benchmarks/overhead.py --recipe hrm             # HRM cpu-small: hidden 64, 1+1 layers, batch 64 (~80 ms)
     python benchmarks/overhead.py --recipe sasrec --threads 1 --profile 5   # where the step goes (torch.profiler)
 
 Both loops read the same dataset object through a DataLoader (same batch size, shuffled) and build the same model
@@ -40,9 +41,9 @@ from toolkit.randomness import keyed_uniform, sample_negatives
 from toolkit.run import start_run
 from toolkit.sampler import shuffled_batches
 
-RECIPES = ("sasrec", "dcrnn", "ufs_emulator")
-DEFAULT_STEPS = {"sasrec": 20, "dcrnn": 10, "ufs_emulator": 500}  # a round of each is a second or a few
-DEFAULT_THREADS = {"sasrec": 0, "dcrnn": 1, "ufs_emulator": 1}  # the recipes' defaults (0: torch's)
+RECIPES = ("sasrec", "dcrnn", "ufs_emulator", "hrm")
+DEFAULT_STEPS = {"sasrec": 20, "dcrnn": 10, "ufs_emulator": 500, "hrm": 20}  # a round of each is a second or a few
+DEFAULT_THREADS = {"sasrec": 0, "dcrnn": 1, "ufs_emulator": 1, "hrm": 1}  # the recipes' defaults (0: torch's)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Workload:
     max_grad_norm: float = 0.0
     collate_fn: Callable | None = None
     keyed_batches: bool = False  # the recipe cuts its batches with toolkit.sampler.shuffled_batches
+    after_step: Callable[[torch.nn.Module, int], None] | None = None  # (model, step): a second optimizer (HRM's)
 
 
 def sasrec_workload(cache_dir: Path) -> Workload:
@@ -184,6 +186,67 @@ def ufs_workload() -> Workload:
     )
 
 
+def hrm_workload() -> Workload:
+    """recipes/hrm.py's step at cpu-small sizes (hidden 64, 4 heads, 1+1 layers, 1x1 cycles, at most 4 segments,
+    batch 64): one ACT segment per batch with the carry, stablemax loss, clip 1.0, AdamATan2 and the puzzle
+    embedding's SignSGD; 4,096 random Sudoku-shaped puzzles (the step's cost does not depend on the digits). The
+    recipe's side also sums its training metrics on the device, as the recipe does (read at --log-every)."""
+    from toolkit.data.ufs import PatternRows, whole_batch
+    from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses
+
+    puzzles, cells, vocab, batch_size, exploration = 4096, 81, 11, 64, 11  # recipes/hrm.py's Sudoku and purpose
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(2, vocab, (puzzles, cells), generator=generator)
+    inputs = torch.where(torch.rand(puzzles, cells, generator=generator) < 0.5, 1, labels)
+    data = PatternRows({"inputs": inputs, "labels": labels}, index_name="ids")
+    carries: dict[int, dict] = {}  # per model (each side has its own): the rows' recurrent state
+    puzzle_optimizers: dict[int, SparseSignSGD] = {}
+
+    def tokens(batch):
+        return {"inputs": batch["inputs"], "labels": batch["labels"], "ids": batch["ids"],
+                "puzzle_ids": torch.zeros_like(batch["ids"])}
+
+    def segment(model, batch, step):
+        core = getattr(model, "module", model)
+        data = tokens(batch)
+        state = carries.get(id(core)) or core.initial_carry(data)
+        outputs = model(state, data, explore_key=(0, exploration, step))
+        carries[id(core)] = outputs["carry"]
+        return act_losses(outputs, "stablemax")
+
+    plain_steps = [0]
+
+    def plain_loss(model, batch):
+        plain_steps[0] += 1
+        loss, _ = segment(model, batch, plain_steps[0])
+        return loss / batch_size
+
+    def recipe_loss(model, batch, loop, accelerator):
+        loss, sums = segment(model, batch, loop.progress.global_step + 1)
+        totals = accelerator.reduce(torch.stack([loss.detach().double(), *sums.values()]), reduction="sum")
+        return loss * (accelerator.num_processes / batch_size), totals[0].float() / batch_size  # per_row_loss
+
+    def after_step(model, step):
+        core = getattr(model, "module", model)
+        puzzle_optimizer = puzzle_optimizers.setdefault(id(core), SparseSignSGD(core.puzzle_emb, 1e-2, 0.1))
+        puzzle_optimizer.step(lr=1e-2 * min(1.0, step / 50))
+        puzzle_optimizer.zero_grad()
+
+    return Workload(
+        data,
+        batch_size,
+        lambda: HRM(vocab, cells, num_puzzle_ids=1, hidden=64, heads=4, expansion=4.0, h_layers=1, l_layers=1,
+                    h_cycles=1, l_cycles=1, halt_max_steps=4, exploration_prob=0.1, positions="rope"),
+        lambda model: AdamATan2(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        plain_loss,
+        recipe_loss,
+        max_grad_norm=1.0,
+        collate_fn=whole_batch,
+        keyed_batches=True,
+        after_step=after_step,
+    )
+
+
 def plain_rounds(work: Workload, device: torch.device) -> Callable[[int], float]:
     """The plain loop, as the teams wrote it, on the device the toolkit's Accelerator chose (a GPU if there is one);
     returns a function timing `steps` steps (seconds per step)."""
@@ -208,8 +271,10 @@ def plain_rounds(work: Workload, device: torch.device) -> Callable[[int], float]
                 if work.max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), work.max_grad_norm)
                 optimizer.step()
-                running_loss += loss.item()
                 done += 1
+                if work.after_step:
+                    work.after_step(model, done)
+                running_loss += loss.item()
                 if done == steps:
                     break
         synchronize(device)
@@ -269,6 +334,8 @@ def toolkit_rounds(work: Workload, threads: int) -> tuple[Callable[[int], float]
                 if work.max_grad_norm and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), work.max_grad_norm)
                 optimizer.step()
+                if work.after_step:
+                    work.after_step(model, loop.progress.global_step + 1)
                 optimizer.zero_grad(set_to_none=True)
             loop.record_loss(value)
         synchronize(accelerator.device)
@@ -306,6 +373,8 @@ def main() -> None:
         work = sasrec_workload(cache_dir)
     elif args.recipe == "dcrnn":
         work = dcrnn_workload(args.data, cache_dir)
+    elif args.recipe == "hrm":
+        work = hrm_workload()
     else:
         work = ufs_workload()
 
