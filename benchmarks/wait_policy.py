@@ -2,10 +2,13 @@
 
     python benchmarks/wait_policy.py                      # SASRec and the UFS MLP, 2 threads, loads 0, 1, 2
     python benchmarks/wait_policy.py --recipes ufs_emulator --threads 2 --loads 0 2 --rounds 2
+    python benchmarks/wait_policy.py --recipes ufs_emulator --loads 0 1 --ufs-steps 8000 --measure wall   # long runs
 
 For each recipe, thread count and load (busy Python processes, one core each, started together with the run, so the
 run starts on what `import toolkit` sees as an idle machine: TOOLKIT_LOADAVG says so), each candidate policy trains
-the same short run; the figure is its training time (metrics.csv `epoch_time_sec`: no start-up, no evaluation).
+the same short run; the figure is its training time (metrics.csv `epoch_time_sec`: no start-up, no evaluation), or
+with `--measure wall` the whole command's wall time (start-up included: the measure for a run that restarts itself
+under PASSIVE when load arrives, toolkit.openmp, which a short run ends before it looks three times).
 Candidates: libgomp's spin (OMP_WAIT_POLICY and GOMP_SPINCOUNT unset), PASSIVE, GOMP_SPINCOUNT=N, and `toolkit`: what
 `import toolkit` chooses on an idle machine. Rounds alternate the candidates. Prints one table row per (recipe,
 threads, load): seconds per candidate (the median of the rounds) and each candidate's time over the best fixed one.
@@ -20,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +40,11 @@ CANDIDATES = {
 BUSY = "while True: pass"
 
 
-def recipe_args(recipe: str, data: dict, out: Path, threads: int) -> list[str]:
+def recipe_args(recipe: str, data: dict, out: Path, threads: int, ufs_steps: int = 600) -> list[str]:
     common = ["--threads", str(threads), "--log-with", "csv", "--output-dir", str(out), "--eval-every-steps", "100000"]
     if recipe == "ufs_emulator":
-        return [str(ROOT / "recipes" / "ufs_emulator.py"), "--data", str(data["ufs"]), "--max-steps", "600",
-                "--epochs", "1000", *common]
+        return [str(ROOT / "recipes" / "ufs_emulator.py"), "--data", str(data["ufs"]), "--max-steps", str(ufs_steps),
+                "--epochs", "100000", *common]
     return [str(ROOT / "recipes" / "sasrec.py"), "--cache-dir", str(data["cache"]), "--max-steps", "40",
             "--epochs", "1000", *common]
 
@@ -50,20 +54,23 @@ def train_seconds(out: Path) -> float:
         return sum(float(row["epoch_time_sec"]) for row in csv.DictReader(handle))
 
 
-def one_run(recipe: str, data: dict, threads: int, load: int, candidate: str, scratch: Path) -> float:
+def one_run(recipe: str, data: dict, threads: int, load: int, candidate: str, scratch: Path, ufs_steps: int = 600,
+            measure: str = "train") -> float:
     out = Path(tempfile.mkdtemp(dir=scratch)) / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     env.update({"TOOLKIT_LOADAVG": "0.00 0.00 0.00 1/300", "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
     env.update(CANDIDATES[candidate] or {})
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
+    began = time.perf_counter()
     try:
-        subprocess.run([sys.executable, *recipe_args(recipe, data, out, threads)], env=env, check=True,
+        subprocess.run([sys.executable, *recipe_args(recipe, data, out, threads, ufs_steps)], env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1800)
+        wall = time.perf_counter() - began
     finally:
         for process in busy:
             process.kill()
             process.wait()
-    return train_seconds(out)
+    return wall if measure == "wall" else train_seconds(out)
 
 
 def main(argv=None) -> int:
@@ -76,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "test-data")
+    parser.add_argument("--ufs-steps", type=int, default=600, help="the UFS MLP's optimizer steps per run")
+    parser.add_argument("--measure", choices=["train", "wall"], default="train",
+                        help="training time from metrics.csv, or the whole command's wall time")
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_kind(threads=' and '.join(map(str, args.threads)) + ' per run')}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
@@ -92,7 +102,8 @@ def main(argv=None) -> int:
                     times = {c: [] for c in args.candidates}
                     for _ in range(args.rounds):
                         for candidate in args.candidates:
-                            times[candidate].append(one_run(recipe, data, threads, load, candidate, scratch))
+                            times[candidate].append(one_run(recipe, data, threads, load, candidate, scratch,
+                                                            args.ufs_steps, args.measure))
                     median = {c: statistics.median(t) for c, t in times.items()}
                     fixed = [v for c, v in median.items() if c != "toolkit"]
                     best = min(fixed) if fixed else float("nan")

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,13 +26,20 @@ TINY = ["--hidden", "16", "--blocks", "1", "--maxlen", "20", "--batch-size", "64
         "--log-with", "none", "--cache-dir", str(DATA_CACHE)]
 
 
+# The machine's load as a run sees it during training (toolkit.openmp.LoadWatch): idle, whatever the other test
+# worker does, so that no test run restarts itself under PASSIVE unless the test asks for it (TOOLKIT_LOAD_FILE).
+IDLE_LOAD = Path(tempfile.gettempdir()) / f"toolkit-tests-idle-loadavg-{os.getpid()}"
+IDLE_LOAD.write_text("0.00 0.00 0.00 1/100 1\n")
+atexit.register(IDLE_LOAD.unlink, missing_ok=True)
+
+
 def recipe_env(extra: dict | None = None) -> dict:
     # OMP_WAIT_POLICY, GOMP_SPINCOUNT: this test process imported toolkit, which sets one; a recipe starts as from a
     # user's shell.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WANDB_", "ACCELERATE_", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))}
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-                "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
+                "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore", "TOOLKIT_LOAD_FILE": str(IDLE_LOAD)})
     env.update(extra or {})
     return env
 

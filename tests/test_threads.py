@@ -2,6 +2,8 @@
 per CPU node. Each rank reports the count it runs with, and config.json records the flag and the count in effect."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import TOY, ranks_seen, read_json, run_recipe
@@ -79,3 +81,62 @@ def test_torch_imported_before_toolkit_is_said_once_with_several_threads(tmp_pat
         policy, two, one = done.stdout.splitlines()
         assert policy == env.get("OMP_WAIT_POLICY", "None")  # too late to set: not set
         assert two.startswith(expected) and one == "None", done.stdout
+
+
+# ---- load that arrives after an idle start: the run restarts itself under PASSIVE (toolkit.openmp.LoadWatch) ------
+IDLE = "0.1 0.1 0.1 1/300"
+
+
+def test_a_load_watch_fires_after_three_busy_looks_in_a_row_at_its_cadence():
+    from toolkit.openmp import LoadWatch
+
+    now, machine = [0.0], [(0, 2)]
+    watch = LoadWatch(every=2.0, clock=lambda: now[0], measure=lambda: machine[0])
+    looks = []
+    for t, others in [(1, 5), (2, 1), (4, 1), (5, 1), (6, 0), (8, 1), (10, 1), (11, 9), (12, 1)]:
+        now[0], machine[0] = float(t), (others, 2)
+        looks.append(watch.arrived())
+    # t=1: not yet a look; 2, 4: busy; 5: between looks; 6: idle, the count restarts; 8, 10, 12: three in a row
+    assert looks[:-1] == [None] * 8
+    assert looks[-1] == "1-1 other running thread(s) on 2 CPUs at 3 looks 2 s apart"
+    unreadable = LoadWatch(every=0.0, measure=lambda: int("x"))
+    assert unreadable.arrived() is None  # nothing to read: the run goes on as it started
+
+
+def test_the_restart_command_resumes_the_run_dir_in_place_of_the_users_flags(tmp_path):
+    from toolkit.openmp import restart_command
+
+    argv = ["python3", "-X", "dev", "recipes/sasrec.py", "--output-dir", "old", "--threads", "2",
+            "--resume-from=auto", "--output_dir=x", "--lr", "0.1"]
+    command = restart_command(argv, tmp_path / "run")
+    assert command[1:] == ["-X", "dev", "recipes/sasrec.py", "--threads", "2", "--lr", "0.1", "--output-dir",
+                           str((tmp_path / "run").resolve()), "--resume-from", "auto"]
+
+
+def test_load_arriving_mid_run_restarts_it_under_passive_and_the_result_is_the_uninterrupted_ones(tmp_path):
+    """An idle start (the bounded spin), then other jobs on the cores: the run checkpoints, restarts itself in the
+    same process under PASSIVE, resumes, and ends with the weights of a run that never restarted."""
+    from conftest import final_weights
+
+    busy, idle = tmp_path / "busy-loadavg", tmp_path / "idle-loadavg"
+    busy.write_text(BUSY + " 1\n")
+    idle.write_text(IDLE + " 1\n")
+    args = ["--max-steps", "300", "--epochs", "50", "--eval-every-steps", "100", "--threads", "2", "--log-with", "csv"]
+    runs = {}
+    for name, load in (("restarted", busy), ("uninterrupted", idle)):
+        out = tmp_path / name
+        result = run_recipe([*args, "--output-dir", str(out)], recipe=TOY, env={
+            "TOOLKIT_LOADAVG": IDLE, "TOOLKIT_LOAD_FILE": str(load), "TOOLKIT_LOAD_CHECK_SEC": "0.02"})
+        runs[name] = (out, result.stdout + result.stderr)
+    out, said = runs["restarted"]
+    assert said.count("load arrived during training") == 1, said[-3000:]
+    step = int(re.search(r"checkpoint of step (\d+) saved, restarting this process under OMP_WAIT_POLICY=PASSIVE",
+                         said).group(1))
+    assert 0 < step < 300
+    assert f"OMP_WAIT_POLICY=PASSIVE set by the toolkit (this process restarted itself at step {step} " in said
+    assert "resumed at epoch" in said and ranks_seen(said) == {(0, 1)}
+    assert "load arrived" not in runs["uninterrupted"][1]
+    mine, reference = final_weights(out, 300), final_weights(runs["uninterrupted"][0], 300)
+    assert mine.keys() == reference.keys() and all(mine[k].equal(reference[k]) for k in mine)
+    verified = subprocess.run([sys.executable, "-m", "toolkit", "verify", str(out)], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr

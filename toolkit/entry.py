@@ -4,15 +4,17 @@
     def main(argv=None): ...
 
 UsageError -> `error: ...`, exit 2; RunFailed -> `error: ...`, exit 1; losing another rank mid-run (it died, or hung
-past --dist-timeout) -> one line naming it, exit 1. Whatever the path, what the run left running (heartbeat,
-launcher watch, process group) ends here, while the interpreter is whole (toolkit.shutdown)."""
+past --dist-timeout) -> one line naming it, exit 1; a run that checkpointed to restart under OpenMP's PASSIVE wait
+policy (load arrived, toolkit.openmp) -> the same command again, resuming it, in this process. Whatever the path,
+what the run left running (heartbeat, launcher watch, process group) ends here, while the interpreter is whole
+(toolkit.shutdown)."""
 
 from __future__ import annotations
 
 import functools
 import os
 
-from toolkit import shutdown
+from toolkit import openmp, shutdown
 from toolkit.console import say
 from toolkit.errors import RunFailed, UsageError
 
@@ -22,9 +24,14 @@ def one_line_errors(main):
     def wrapper(*args, **kwargs):
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "
-        broken = False
+        broken, restart = False, None
+        outer = openmp.restartable
+        openmp.restartable = main.__module__ == "__main__"  # the script's own main(): it may restart the process
         try:
             return main(*args, **kwargs)
+        except openmp.RestartUnderPassive as request:  # checkpointed, the run ended: restart once released (below)
+            restart = request
+            raise
         except (UsageError, RunFailed) as error:
             # Rank 0 speaks for all (one line), the others exit quietly.
             if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
@@ -42,6 +49,9 @@ def one_line_errors(main):
             say(f"{prefix}error: {message}")
             raise SystemExit(1) from None
         finally:
+            openmp.restartable = outer
             shutdown.release(broken=broken)
+            if restart is not None:
+                openmp.restart_under_passive(restart)
 
     return wrapper

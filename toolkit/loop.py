@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from toolkit import compilation, preemption, randomness
+from toolkit import compilation, openmp, preemption, randomness
 from toolkit.agreement import agree
 from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
@@ -68,6 +68,8 @@ class TrainingLoop(RunEnd):
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
         self._mark_step = compilation.step_marker(run)  # --cuda-graphs: each micro-batch a new iteration of the graphs
+        # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE (toolkit.openmp)
+        self._load_watch = openmp.load_watch(torch.get_num_threads(), self.accelerator.num_processes)
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
             run.print(plain_dropout)
 
@@ -181,6 +183,8 @@ class TrainingLoop(RunEnd):
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             self.stopped = True
+        if self._load_watch is not None and not self.stopped and (load := self._load_watch.arrived()):
+            self._checkpoint_and_restart_under_passive(load)
         pending = self.accelerator.num_processes == 1 and (preemption._requested or self._stop_request is not None)
         if self.losses.read_due(step) or self.stopped or pending:
             rider = self._rider if self.losses.read_due(step) else None
@@ -211,6 +215,18 @@ class TrainingLoop(RunEnd):
         self.save()
         self.meter.close_bar()
         preemption.requeue_and_exit(self.run, self.progress.global_step, self.config.max_requeues, requeue)
+
+    def _checkpoint_and_restart_under_passive(self, load: str) -> None:
+        """Load arrived while the threads spin (one process): a complete checkpoint of this step, one line, the run
+        ended as after a pre-emption, and the process restarts itself under PASSIVE (toolkit.openmp), resuming here."""
+        step = self.progress.global_step
+        self.save()
+        self.meter.close_bar()
+        self.run.print(f"load arrived during training ({load}): OpenMP's threads spin by the idle start's choice and "
+                       f"stall under load; checkpoint of step {step} saved, restarting this process under "
+                       f"{openmp.VARIABLE}=PASSIVE to resume it (the same numbers: the wait policy changes none)")
+        self.run.end()
+        raise openmp.RestartUnderPassive(self.run.output_dir, step)
 
     def _stop_without_saving(self, what: str) -> None:
         self.meter.close_bar()
