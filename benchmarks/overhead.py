@@ -37,7 +37,7 @@ from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean, mean_over_processes
 from toolkit.loop import TrainingLoop
 from toolkit.precision import cpu_kind
-from toolkit.randomness import keyed_uniform, sample_negatives
+from toolkit.randomness import UntouchedItems, keyed_uniform
 from toolkit.run import start_run
 from toolkit.sampler import shuffled_batches
 
@@ -70,19 +70,18 @@ def sasrec_workload(cache_dir: Path) -> Workload:
     sequences, meta = prepare_movielens("ml-100k", None, cache_dir)
     split = leave_one_out(sequences, meta, 200)
     data = UserSequences({"input": split.train_input, "target": split.train_target})
-    touched = {}
+    samplers = {}
 
-    def touched_on(device):  # the recipe keeps the training items on the batches' device
-        return touched.setdefault(device, split.train_touched.to(device))
+    def negatives_on(device):  # the recipe builds its sampler once, on the batches' device
+        return samplers.setdefault(device, UntouchedItems(split.train_touched.to(device)))
 
     def bce_sum(model, batch, epoch):
         scorer = getattr(model, "module", model)  # the recipe scores through the unwrapped model
         inputs, targets = batch["input"], batch["target"]
         hidden = model(inputs)
         positions = targets > 0
-        negatives = sample_negatives(
-            touched_on(batch["user"].device), batch["user"], torch.arange(inputs.shape[1]), seed=0, purpose=1,
-            epoch=epoch,
+        negatives = negatives_on(batch["user"].device).sample(
+            batch["user"], torch.arange(inputs.shape[1]), seed=0, purpose=1, epoch=epoch
         )
         logits = scorer.score_items(hidden[positions], torch.stack([targets[positions], negatives[positions]], dim=1))
         labels = torch.zeros_like(logits)
