@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TOY, ranks_seen, read_json, run_recipe
+from conftest import ROOT, TOY, ranks_seen, read_json, recipe_env, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +140,54 @@ def test_load_arriving_mid_run_restarts_it_under_passive_and_the_result_is_the_u
     assert mine.keys() == reference.keys() and all(mine[k].equal(reference[k]) for k in mine)
     verified = subprocess.run([sys.executable, "-m", "toolkit", "verify", str(out)], capture_output=True, text=True)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+LOAD_AND_SIGNAL = """
+import sys, toolkit, torch
+from toolkit import openmp, preemption
+from toolkit.config import TrainConfig
+from toolkit.loop import TrainingLoop
+from toolkit.run import start_run
+
+class Now:  # a load watch that sees load at once
+    def arrived(self):
+        return "a stand-in load"
+
+config = TrainConfig(output_dir=sys.argv[1], log_with="none", epochs=5, batch_size=4, threads=2)
+data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+with start_run(config, recipe="t") as run:
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
+    loop = TrainingLoop(run, model, loader, evaluate=lambda: {"val": 0.0}, main_metric="val")
+    loop._load_watch = Now()
+    loop.start()
+    try:
+        for _ in loop.epochs():
+            for x, y in loop.batches():
+                if sys.argv[2] == "signal":
+                    preemption._requested = True  # SIGUSR1 (SLURM's pre-emption) arrived in this step
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                run.accelerator.backward(loss)
+                loop.optimizer_step(optimizer, loss=loss.detach())
+    except openmp.RestartUnderPassive as restart:
+        print("RESTART", restart.step)
+    except SystemExit as stop:
+        print("EXIT", stop.code)
+"""
+
+
+@pytest.mark.parametrize("signal", ["none", "signal"])
+def test_a_pending_preemption_wins_over_a_load_restart(signal, tmp_path):
+    """Load and SLURM's signal at the same step: the run checkpoints and stops as pre-empted (the restarted process
+    would not know of the signal, and the job would be killed at its time limit)."""
+    result = subprocess.run([sys.executable, "-c", LOAD_AND_SIGNAL, str(tmp_path / "run"), signal], cwd=ROOT,
+                            env=recipe_env(), capture_output=True, text=True, timeout=300)
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said[-3000:]
+    if signal == "none":
+        assert "RESTART 1" in said and "load arrived during training (a stand-in load)" in said
+    else:
+        assert "EXIT 0" in said and "pre-empted at step 1: checkpoint saved" in said and "load arrived" not in said
+    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()
