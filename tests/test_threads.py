@@ -191,3 +191,20 @@ def test_a_pending_preemption_wins_over_a_load_restart(signal, tmp_path):
     else:
         assert "EXIT 0" in said and "pre-empted at step 1: checkpoint saved" in said and "load arrived" not in said
     assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()
+
+
+def test_only_the_running_scripts_own_main_may_restart_the_process(tmp_path):
+    """A restart replaces the process: never a test's, a notebook's or `python -c`'s (toolkit.entry)."""
+    from toolkit.entry import _is_the_script
+
+    def main():
+        pass
+
+    assert not _is_the_script(main)  # this test's
+    probe = "from toolkit.entry import _is_the_script\ndef main():\n    pass\nprint(_is_the_script(main))\n"
+    script = tmp_path / "script.py"
+    script.write_text(probe)
+    env = recipe_env({"PYTHONPATH": str(ROOT)})
+    as_script = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    as_code = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert (as_script.stdout.strip(), as_code.stdout.strip()) == ("True", "False"), as_script.stderr + as_code.stderr

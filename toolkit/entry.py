@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from toolkit import openmp, shutdown
 from toolkit.console import say
 from toolkit.errors import RunFailed, UsageError
+
+
+def _is_the_script(main) -> bool:
+    """Whether main() is the running script's own (`python recipe.py`, a launcher's worker): not one a test, a
+    notebook or `python -c` calls, which a restart of the process (toolkit.openmp) would replace."""
+    script = sys.argv[0] if sys.argv else ""
+    return (main.__module__ == "__main__" and os.path.isfile(script)
+            and os.path.realpath(script) == os.path.realpath(main.__code__.co_filename))
 
 
 def one_line_errors(main):
@@ -26,7 +35,7 @@ def one_line_errors(main):
         prefix = "" if rank == "0" else f"[rank {rank}] "
         broken, restart = False, None
         outer = openmp.restartable
-        openmp.restartable = main.__module__ == "__main__"  # the script's own main(): it may restart the process
+        openmp.restartable = _is_the_script(main)  # the script's own main(): it may restart the process
         try:
             return main(*args, **kwargs)
         except openmp.RestartUnderPassive as request:  # checkpointed, the run ended: restart once released (below)
