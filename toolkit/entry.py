@@ -23,9 +23,9 @@ from toolkit.errors import RunFailed, UsageError
 def _is_the_script(main) -> bool:
     """Whether main() is the running script's own (`python recipe.py`, a launcher's worker): not one a test, a
     notebook or `python -c` calls, which a restart of the process (toolkit.openmp) would replace."""
-    script = sys.argv[0] if sys.argv else ""
-    return (main.__module__ == "__main__" and os.path.isfile(script)
-            and os.path.realpath(script) == os.path.realpath(main.__code__.co_filename))
+    script, code = (sys.argv[0] if sys.argv else ""), getattr(main, "__code__", None)  # (a callable object: none)
+    return (code is not None and getattr(main, "__module__", None) == "__main__" and os.path.isfile(script)
+            and os.path.realpath(script) == os.path.realpath(code.co_filename))
 
 
 def one_line_errors(main):
