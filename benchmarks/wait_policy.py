@@ -40,12 +40,13 @@ CANDIDATES = {
 BUSY = "while True: pass"
 
 
-def recipe_args(recipe: str, data: dict, out: Path, threads: int, ufs_steps: int = 600) -> list[str]:
+def recipe_args(recipe: str, data: dict, out: Path, threads: int, ufs_steps: int = 600,
+                sasrec_steps: int = 40) -> list[str]:
     common = ["--threads", str(threads), "--log-with", "csv", "--output-dir", str(out), "--eval-every-steps", "100000"]
     if recipe == "ufs_emulator":
         return [str(ROOT / "recipes" / "ufs_emulator.py"), "--data", str(data["ufs"]), "--max-steps", str(ufs_steps),
                 "--epochs", "100000", *common]
-    return [str(ROOT / "recipes" / "sasrec.py"), "--cache-dir", str(data["cache"]), "--max-steps", "40",
+    return [str(ROOT / "recipes" / "sasrec.py"), "--cache-dir", str(data["cache"]), "--max-steps", str(sasrec_steps),
             "--epochs", "1000", *common]
 
 
@@ -55,7 +56,7 @@ def train_seconds(out: Path) -> float:
 
 
 def one_run(recipe: str, data: dict, threads: int, load: int, candidate: str, scratch: Path, ufs_steps: int = 600,
-            measure: str = "train") -> float:
+            measure: str = "train", sasrec_steps: int = 40) -> float:
     out = Path(tempfile.mkdtemp(dir=scratch)) / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     env.update({"TOOLKIT_LOADAVG": "0.00 0.00 0.00 1/300", "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"})
@@ -63,8 +64,9 @@ def one_run(recipe: str, data: dict, threads: int, load: int, candidate: str, sc
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
     began = time.perf_counter()
     try:
-        subprocess.run([sys.executable, *recipe_args(recipe, data, out, threads, ufs_steps)], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1800)
+        command = [sys.executable, *recipe_args(recipe, data, out, threads, ufs_steps, sasrec_steps)]
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       timeout=1800)
         wall = time.perf_counter() - began
     finally:
         for process in busy:
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "test-data")
     parser.add_argument("--ufs-steps", type=int, default=600, help="the UFS MLP's optimizer steps per run")
+    parser.add_argument("--sasrec-steps", type=int, default=40, help="SASRec's optimizer steps per run")
     parser.add_argument("--measure", choices=["train", "wall"], default="train",
                         help="training time from metrics.csv, or the whole command's wall time")
     args = parser.parse_args(argv)
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
                     for _ in range(args.rounds):
                         for candidate in args.candidates:
                             times[candidate].append(one_run(recipe, data, threads, load, candidate, scratch,
-                                                            args.ufs_steps, args.measure))
+                                                            args.ufs_steps, args.measure, args.sasrec_steps))
                     median = {c: statistics.median(t) for c, t in times.items()}
                     fixed = [v for c, v in median.items() if c != "toolkit"]
                     best = min(fixed) if fixed else float("nan")
