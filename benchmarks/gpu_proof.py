@@ -428,6 +428,10 @@ def hrm_sudoku_flags(profile: Profile) -> list[str]:
     return ["--preset", "sudoku-1k", *profile.hrm_flags, "--mixed-precision", "bf16", *profile.hrm_compile]
 
 
+def puzzles_log(proof: Proof) -> Path:
+    return proof.workdir / "logs" / "hrm-sudoku-1k-puzzles.log"
+
+
 def prepare_puzzles(proof: Proof) -> subprocess.Popen:
     """Start building hrm-sudoku-1k's generated puzzles into its --cache-dir in the background, from the very flags
     its run takes (so the run finds them cached): on the device machine's host this is ~2.5 minutes of one core
@@ -436,7 +440,7 @@ def prepare_puzzles(proof: Proof) -> subprocess.Popen:
             "cfg = hrm.parse_config(hrm.PRESETS, sys.argv[2:]); "
             "load_sudoku(cfg.data, hrm.data_recipe(cfg), cfg.cache_dir.expanduser(), progress=False, "
             "full_test=cfg.full_test)")
-    log = proof.workdir / "logs" / "hrm-sudoku-1k-puzzles.log"
+    log = puzzles_log(proof)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as handle:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, "-c", code, str(ROOT / "recipes"), *hrm_sudoku_flags(proof.profile)],
@@ -454,9 +458,8 @@ def wait_for_puzzles(proof: Proof) -> str:
     except subprocess.TimeoutExpired:
         proof.puzzles.kill()
         code = "timed out"
-    log = proof.workdir / "logs" / "hrm-sudoku-1k-puzzles.log"
     if code != 0:  # the run builds them itself then (and says why if it cannot)
-        return f"; background puzzle build failed ({code}; {log})"
+        return f"; background puzzle build failed ({code}; {puzzles_log(proof)})"
     return f"; puzzles built in the background, waited {time.perf_counter() - began:.0f} s for them"
 
 

@@ -183,10 +183,6 @@ class TrainingLoop(RunEnd):
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             self.stopped = True
-        # (not with a pre-emption or a stop pending: the restarted process would not know of it)
-        quiet = not self.stopped and not preemption._requested and self._stop_request is None
-        if self._load_watch is not None and quiet and (load := self._load_watch.arrived()):
-            self._checkpoint_and_restart_under_passive(load)
         pending = self.accelerator.num_processes == 1 and (preemption._requested or self._stop_request is not None)
         if self.losses.read_due(step) or self.stopped or pending:
             rider = self._rider if self.losses.read_due(step) else None
@@ -199,6 +195,9 @@ class TrainingLoop(RunEnd):
                 self._checkpoint_requeue_and_exit(requeue=not agreed.terminated)
             if agreed.stop:
                 self._take_stop_request()
+        # After the pre-emption and stop above (one process reads them at every step), which the restart would lose
+        if self._load_watch is not None and not self.stopped and (load := self._load_watch.arrived()):
+            self._checkpoint_and_restart_under_passive(load)
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
         new_best = False

@@ -48,13 +48,17 @@ _restarted_at: str | None = None
 restartable = False  # set by one_line_errors while a script's own main() runs (never a test's or a sweep's caller)
 
 
-def _machine() -> tuple[float, int, int]:
-    """(1-minute load average, processes running now besides this one, usable CPUs)."""
-    text = os.environ.get("TOOLKIT_LOADAVG") or open("/proc/loadavg").read()
-    fields = text.split()
-    running = int(fields[3].split("/")[0]) - 1  # runnable now, this process included
+def _loadavg(stand_in: str | None) -> tuple[float, int, int]:
+    """(1-minute load average, threads runnable now on the machine, usable CPUs), from /proc/loadavg or its
+    stand-in's text."""
+    fields = (stand_in or Path("/proc/loadavg").read_text()).split()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return float(fields[0]), running, cpus
+    return float(fields[0]), int(fields[3].split("/")[0]), cpus
+
+
+def _busy(others: float, cpus: int) -> bool:
+    """Other work holds at least half the usable CPUs (at least one)."""
+    return others >= max(1.0, cpus / 2)
 
 
 def prefer_passive_wait() -> None:
@@ -68,11 +72,11 @@ def prefer_passive_wait() -> None:
         _too_late = True
         return
     try:
-        load, running, cpus = _machine()
+        load, running, cpus = _loadavg(os.environ.get("TOOLKIT_LOADAVG"))
     except (OSError, ValueError, IndexError):
         return  # no /proc/loadavg (not Linux): libgomp's default
-    busy = max(1.0, cpus / 2)
-    if math.isfinite(load) and load >= busy and running >= busy:
+    running -= 1  # this process (one thread yet)
+    if math.isfinite(load) and _busy(load, cpus) and _busy(running, cpus):
         os.environ[VARIABLE] = "PASSIVE"
         _reason = f"load average {load:.1f} and {running} other running process(es) on {cpus} CPUs at the start"
     else:
@@ -102,8 +106,7 @@ def others_running() -> tuple[int, int]:
     """(threads runnable now that are not this process's, usable CPUs): /proc/loadavg's runnable count (every
     thread on the machine) less this process's own runnable threads (its spinning OpenMP workers among them)."""
     stand_in = os.environ.get("TOOLKIT_LOAD_FILE")
-    text = Path(stand_in).read_text() if stand_in else open("/proc/loadavg").read()
-    running = int(text.split()[3].split("/")[0])
+    _, running, cpus = _loadavg(Path(stand_in).read_text() if stand_in else None)
     mine = 0
     for task in Path("/proc/self/task").iterdir():
         try:
@@ -111,7 +114,6 @@ def others_running() -> tuple[int, int]:
         except OSError:  # the thread ended meanwhile
             continue
         mine += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name, which may hold spaces
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(0, running - mine), cpus
 
 
@@ -133,8 +135,7 @@ class LoadWatch:
             others, cpus = self.measure()
         except (OSError, ValueError, IndexError):
             return None  # nothing to read (not Linux): keep going as started
-        busy = max(1.0, cpus / 2)
-        self.seen = [*self.seen, others][-self.looks:] if others >= busy else []
+        self.seen = [*self.seen, others][-self.looks:] if _busy(others, cpus) else []
         if len(self.seen) < self.looks:
             return None
         return (f"{min(self.seen)}-{max(self.seen)} other running thread(s) on {cpus} CPUs at {self.looks} looks "

@@ -152,6 +152,15 @@ class Rotary(nn.Module):
         return (x * self.cos).add_(rolled.mul_(self.signed_sin)).to(dtype)  # the same sums, into the temporaries
 
 
+def _spend(ctx, what: str) -> None:
+    """The backward of _OneDNNAttention and _OneDNNSwiGLU writes its gradients over the forward's saved tensors: a
+    second backward through the same graph (retain_graph) would read gradients as activations, so it is refused."""
+    if getattr(ctx, "spent", False):
+        raise RuntimeError(f"HRM's {what} backward runs once per forward (it writes over its saved tensors): a second "
+                           "backward through the same graph (retain_graph) is not supported")
+    ctx.spent = True
+
+
 class _OneDNNAttention(torch.autograd.Function):
     """Attention.forward with gradient, its products by oneDNN (toolkit.models.onednn), SDPA's CPU flash kernels called
     as F.scaled_dot_product_attention calls them, and the backward written over the forward's own temporaries: the
@@ -172,16 +181,12 @@ class _OneDNNAttention(torch.autograd.Function):
         v = qkv[:, :, 2].transpose(1, 2)
         attended, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         ctx.save_for_backward(x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp)
-        ctx.spent = False
         return onednn.product(attended.transpose(1, 2).reshape(rows, hidden), w_out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
-        if ctx.spent:
-            raise RuntimeError("HRM's attention backward runs once per forward (it writes over its saved tensors): "
-                               "a second backward through the same graph (retain_graph) is not supported")
-        ctx.spent = True
+        _spend(ctx, "attention")
         x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp = ctx.saved_tensors
         rows, hidden = x.shape
         flat = attended.transpose(1, 2).reshape(rows, hidden)
@@ -255,16 +260,12 @@ class _OneDNNSwiGLU(torch.autograd.Function):
         activated = F.silu(gate)
         product = activated * up
         ctx.save_for_backward(x, w_gate_up, w_down, gate_up, activated, product)
-        ctx.spent = False
         return onednn.product(product, w_down)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
-        if ctx.spent:
-            raise RuntimeError("HRM's SwiGLU backward runs once per forward (it writes over its saved tensors): "
-                               "a second backward through the same graph (retain_graph) is not supported")
-        ctx.spent = True
+        _spend(ctx, "SwiGLU")
         x, w_gate_up, w_down, gate_up, activated, product = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         grad_w_down = onednn.weight_gradient(product, g) if ctx.needs_input_grad[2] else None
