@@ -13,13 +13,15 @@ it. The report is rewritten after every check, so a run cut short still leaves w
 3. throughput: the steady-state samples/s of those runs (their last metrics.csv row: the first holds the warm-up and
    the compilation), side by side per recipe; and DCRNN's two step kernels (--sequence-kernel fused and cells, fp32)
    side by side, saying whether `auto`'s choice for this device is the faster.
-4. resume: SASRec and HRM with --deterministic, in fp32, bf16 and bf16 + --cuda-graphs: stopped half-way and
+4. graphs: the UFS MLP and SASRec, whose whole step --cuda-graphs captures as one CUDA graph, trained captured and
+   uncaptured side by side (fp32, --deterministic): weights byte for byte and every logged loss equal.
+5. resume: SASRec and HRM with --deterministic, in fp32, bf16 and bf16 + --cuda-graphs: stopped half-way and
    resumed, against the uninterrupted run: model weights compared byte for byte, and every logged loss.
-5. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16 + --compile) on its generated hard puzzles:
+6. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16 + --compile) on its generated hard puzzles:
    loss falling, step time, peak memory. The puzzles are built in the background from the start (~2.5 minutes of one
    core on the device machine's host), while the checks before this one run.
-6. dcrnn-metr-la: the first epoch of `--preset metr-la` on a generated 207-sensor network: step time, peak memory.
-7. cpu-scaling: the machine's CPU for the seeds' claims, UFS MLP and DCRNN: 1, 2, 4, 8 gloo processes of 1 thread
+7. dcrnn-metr-la: the first epoch of `--preset metr-la` on a generated 207-sensor network: step time, peak memory.
+8. cpu-scaling: the machine's CPU for the seeds' claims, UFS MLP and DCRNN: 1, 2, 4, 8 gloo processes of 1 thread
    (the same global batch), and 1 process x 1, 4, 16 threads.
 
 Checks that would start after --budget-min are skipped (the GPU machine is lent for minutes). On the device machine,
@@ -52,7 +54,8 @@ PRECISIONS = {
     "bf16+cuda-graphs": ["--mixed-precision", "bf16", "--cuda-graphs"],  # the CUDA-only one: refused on CPU
 }
 ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
-SECTIONS = ("doctor", "precision", "throughput", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
+SECTIONS = ("doctor", "precision", "throughput", "graphs", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
+GRAPH_RECIPES = ("ufs_emulator", "sasrec")  # the recipes whose whole step --cuda-graphs captures (toolkit.step_graph)
 
 
 @dataclass
@@ -397,8 +400,6 @@ def check_sequence_kernels(proof: Proof, check: Check) -> None:
 
 
 def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> None:
-    from safetensors.torch import load_file
-
     steps = proof.profile.steps
     base = [*proof.profile.recipe_flags[recipe], *PRECISIONS[precision], "--deterministic", "--eval-every-steps",
             str(steps), "--checkpoint-every", str(steps), "--log-with", "csv", "--log-every", "1"]
@@ -411,17 +412,44 @@ def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> Non
                                    f"{tag}-part")
     require_success(result, "the resumed half")
     verify(resumed)
-    a, b = (d / "checkpoints" / f"step_{2 * steps}" / "model.safetensors" for d in (straight, resumed))
-    losses = logged_losses(straight) == logged_losses(resumed)
+    check.detail = f"{same_training(straight, resumed, 2 * steps, 'resumed != uninterrupted')} (stopped and resumed " \
+                   f"at step {steps}); verify OK"
+
+
+def same_training(a_dir: Path, b_dir: Path, step: int, differ: str) -> str:
+    """Two runs' weights at `step` byte for byte and every logged loss: the detail when equal, else Failed."""
+    from safetensors.torch import load_file
+
+    a, b = (d / "checkpoints" / f"step_{step}" / "model.safetensors" for d in (a_dir, b_dir))
+    losses = logged_losses(a_dir) == logged_losses(b_dir)
     if a.read_bytes() == b.read_bytes() and losses:
-        check.detail = (f"weights at step {2 * steps} byte-identical, {len(logged_losses(straight))} logged losses "
-                        f"equal (stopped and resumed at step {steps}); verify OK")
-        return
+        return f"weights at step {step} byte-identical, {len(logged_losses(a_dir))} logged losses equal"
     wa, wb = load_file(str(a)), load_file(str(b))
     differing = [k for k in wa if not wa[k].equal(wb[k])]
     worst = max(((wa[k].float() - wb[k].float()).abs().max().item() for k in differing), default=0.0)
-    raise Failed(f"resumed != uninterrupted: {len(differing)} of {len(wa)} tensors differ (max |diff| {worst:.3g}); "
+    raise Failed(f"{differ}: {len(differing)} of {len(wa)} tensors differ (max |diff| {worst:.3g}); "
                  f"logged losses {'equal' if losses else 'differ'}")
+
+
+def check_graphs(proof: Proof, recipe: str, check: Check) -> None:
+    """--cuda-graphs captures the whole step and replays it: trained side by side with the uncaptured step (fp32,
+    --deterministic), the weights and every logged loss must be equal. A value the step read on the host and the
+    graph baked in (an epoch, a learning rate, a seed) would make them differ."""
+    if proof.profile.name == "cpu":
+        check.status, check.detail = "SKIP", "needs a GPU (--cuda-graphs is refused on the CPU)"
+        return
+    steps = proof.profile.steps
+    base = [*proof.profile.recipe_flags[recipe], *PRECISIONS["fp32"], "--deterministic", "--max-steps",
+            str(2 * steps), "--eval-every-steps", str(steps), "--log-with", "csv", "--log-every", "1"]
+    uncaptured, result = proof.launch(recipe, base, f"{recipe}-graphs-off")
+    require_success(result, "the uncaptured run")
+    captured, result = proof.launch(recipe, [*base, "--cuda-graphs"], f"{recipe}-graphs-on")
+    require_success(result, "the captured run")
+    said = [line for line in result.stdout.splitlines() if line.startswith("--cuda-graphs:")]
+    if not any("whole step" in line and "captured as one CUDA graph" in line for line in said):
+        raise Failed(f"no whole-step capture said: {said}", result.stdout[-3000:])
+    verify(captured)
+    check.detail = f"{same_training(uncaptured, captured, 2 * steps, 'captured != uncaptured')}; {said[0]}"
 
 
 def hrm_sudoku_flags(profile: Profile) -> list[str]:
@@ -625,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         if "dcrnn" in args.recipes:
             proof.check("throughput", "dcrnn --sequence-kernel fused / cells",
                         lambda c: check_sequence_kernels(proof, c))
+    if "graphs" in wanted:
+        for recipe in GRAPH_RECIPES:
+            proof.check("graphs", f"{recipe} captured = uncaptured", lambda c, r=recipe: check_graphs(proof, r, c))
     if "resume" in wanted:
         for recipe in profile.resume_recipes:
             for precision in profile.resume_precisions:

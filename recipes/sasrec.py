@@ -104,6 +104,10 @@ class SASRecConfig(TrainConfig):
     lr: float = 1e-3
     eval_every: int = 10
 
+    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
+        return "--loss ce (it picks the targets by a boolean index, whose size the host reads)" if self.loss == "ce" \
+            else None
+
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
@@ -137,11 +141,14 @@ def next_item_loss(
     """The objective trained on: per target (0 = padding, left out) BCE vs its negative, or CE over all items (None)."""
     positions = targets > 0
     if negatives is not None:
-        candidates = torch.stack([targets[positions], negatives[positions]], dim=1)
-        logits = scorer.score_items(hidden[positions], candidates)
+        # Every position scored and the padding's terms zeroed, not the targets picked by the mask: a boolean index
+        # reads its size on the host (a sync on a GPU, which a captured step cannot hold), and the padding's two
+        # dot products cost less than the gather and its scatter backward
+        logits = scorer.score_items(hidden, torch.stack([targets, negatives], dim=-1))  # [B, L, 2]
         labels = torch.zeros_like(logits)
-        labels[:, 0] = 1.0
-        per_item = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").sum(dim=1)
+        labels[..., 0] = 1.0
+        per_item = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").sum(dim=-1)
+        per_item = per_item.masked_fill(~positions, 0.0)
     else:
         logits = scorer.score_all(hidden[positions]).float()
         logits[:, 0] = float("-inf")  # padding is never a prediction
@@ -238,7 +245,7 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
         if cfg.loss == "bce":
             positions = torch.arange(inputs.shape[1], device=inputs.device)
             negatives = train_negatives.sample(batch["user"], positions, seed=cfg.seed, purpose=TRAIN_NEGATIVES,
-                                               epoch=loop.progress.epoch)
+                                               epoch=loop.device_epoch)  # a tensor: a captured step replays it
         return next_item_loss(scorer, hidden, targets, negatives, accelerator)
 
     def ranking_metrics(loader, prefix):
@@ -268,14 +275,17 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
         return metrics
 
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
+    def train_step(batch):
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss, loss_value = training_loss(batch)
+            accelerator.backward(loss)
+            loop.optimizer_step(optimizer, scheduler, loss=loss_value)
+
     loop.start()
     for _epoch in loop.epochs():
         for batch in loop.batches():
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    loss, loss_value = training_loss(batch)
-                accelerator.backward(loss)
-                loop.optimizer_step(optimizer, scheduler, loss=loss_value)
+            loop.run_step(train_step, batch)  # --cuda-graphs: captured once, replayed
         loop.end_epoch()
 
     # ---- test the best validation checkpoint ---------------------------------------------------------------

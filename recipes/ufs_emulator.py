@@ -158,6 +158,9 @@ class UfsConfig(TrainConfig):
     batch_size: int = 1000
     lr: float = 1e-4
 
+    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
+        return None
+
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
@@ -403,15 +406,18 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     )
 
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ------------
+    def train_step(batch):
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                out = model(batch["x"])
+            loss = normalised_mse(out, batch["y"])
+            accelerator.backward(loss)
+            loop.optimizer_step(optimizer, rank_loss=loss)  # equal per-rank batches: the mean of means is global
+
     loop.start()
     for _epoch in loop.epochs():
         for batch in loop.batches():
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    out = model(batch["x"])
-                loss = normalised_mse(out, batch["y"])
-                accelerator.backward(loss)
-                loop.optimizer_step(optimizer, rank_loss=loss)  # equal per-rank batches: the mean of means is global
+            loop.run_step(train_step, batch)  # --cuda-graphs: captured once, replayed
         loop.end_epoch()
 
     # ---- the best weights: validation metrics and the predicted-vs-true scatter (this recipe has no test split) -

@@ -102,8 +102,8 @@ def first_step_reporter(run):
     """For --compile and --cuda-graphs: a callable the training loop gives the first optimizer step's compute
     seconds; it prints the line(s) (main process) and returns None, so the loop calls it once per life. None
     without either flag."""
-    if not (run.config.compile or run.config.cuda_graphs):
-        return None
+    if not (run.config.compile or (run.config.cuda_graphs and not run.whole_step_graphs)):
+        return None  # (a whole captured step compiles nothing without --compile: toolkit.step_graph says its own line)
 
     def report(seconds: float) -> None:
         if run.is_main:
@@ -112,7 +112,7 @@ def first_step_reporter(run):
             where = os.environ.get(_ENV) or "?"  # set by Run.begin, after the loop was made
             shown = run.output_dir / CACHE_DIR if os.path.realpath(where) == _chosen else where  # the path as given
             tqdm.write(describe_first_step(seconds, shown))  # between progress-bar redraws
-            if run.config.cuda_graphs and (uncaptured := describe_capture()):
+            if run.config.cuda_graphs and not run.whole_step_graphs and (uncaptured := describe_capture()):
                 tqdm.write(uncaptured)
             sys.stdout.flush()
 
@@ -123,7 +123,8 @@ def step_marker(run):
     """--cuda-graphs: torch.compiler.cudagraph_mark_step_begin, for the loop to call before each micro-batch (a new
     iteration: the graphs' outputs of the previous one may be overwritten; the loop's losses are copies). None
     without the flag."""
-    return torch.compiler.cudagraph_mark_step_begin if run.config.cuda_graphs else None
+    compiled_graphs = run.config.cuda_graphs and not run.whole_step_graphs
+    return torch.compiler.cudagraph_mark_step_begin if compiled_graphs else None
 
 
 class CompilingAccelerator(ToolkitAccelerator):
@@ -138,11 +139,13 @@ class CompilingAccelerator(ToolkitAccelerator):
 
     def __init__(self, *args, compile_mode: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.compile_mode = compile_mode  # "reduce-overhead": --cuda-graphs
+        self.compile_mode = compile_mode  # "reduce-overhead": --cuda-graphs capturing the model's graphs
+        self.compiles = True  # False: --cuda-graphs capturing the whole step, without --compile (toolkit.step_graph)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
-        compile_in_place(model, mode=self.compile_mode)
+        if self.compiles:
+            compile_in_place(model, mode=self.compile_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
 

@@ -91,9 +91,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (inductor)."""
     cuda_graphs: bool = False
-    """On CUDA: compile the model (as --compile) with its forward and backward captured as CUDA graphs and replayed
-    (torch.compile mode="reduce-overhead"): one launch where a step launched hundreds of kernels. A graph that cannot
-    be captured runs uncaptured, said in one line after the first step. Refused on CPU."""
+    """On CUDA: capture the whole training step (forward, backward, optimizer) as one CUDA graph and replay it: a few
+    launches where a step launched hundreds of kernels (with --compile, of the compiled model). Where a recipe or run
+    cannot (several processes, --grad-accum, fp16, HRM, DCRNN), the model is compiled with its forward and backward
+    captured instead (torch.compile mode="reduce-overhead"), said in one line. Refused on CPU."""
     dist_timeout: float = 600.0
     """Seconds a collective may wait for a lost or stuck rank before the run fails."""
     max_requeues: int = 3
@@ -101,6 +102,11 @@ class TrainConfig:
     max_loss_ratio: float = 1e6
     """Stop the run (one line, like a non-finite loss) when a step's training loss exceeds this many times the first
     step's: a loss that explodes (e.g. --lr far too high) is not trained on. 0 = off."""
+
+    def whole_step_refusal(self) -> str | None:
+        """Why --cuda-graphs cannot capture this recipe's whole training step as one CUDA graph, or None where it can
+        (a recipe whose step runs through loop.run_step, keyed on tensors only: toolkit.step_graph)."""
+        return "this recipe does not give its step to loop.run_step"
 
 
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)

@@ -35,6 +35,7 @@ from toolkit.optim import step_optimizer
 from toolkit.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
 from toolkit.randomness import reseed_global_rng, step_seed
 from toolkit.run import Run
+from toolkit.step_graph import StepGraph
 from toolkit.summary import RunEnd
 
 __all__ = ["AFTER_STEP_HOOKS", "Progress", "TrainingLoop", "TrainingStopped", "rest_of_epoch", "require_whole_epoch"]
@@ -68,6 +69,10 @@ class TrainingLoop(RunEnd):
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
         self._mark_step = compilation.step_marker(run)  # --cuda-graphs: each micro-batch a new iteration of the graphs
+        self.step_graph = StepGraph(run.whole_step_graphs, say=run.print)  # --cuda-graphs: run_step captures the step
+        # The epoch as a tensor on the device, for what a captured step keys on it (SASRec's negatives): a Python int
+        # would be baked into the graph at its capture
+        self.device_epoch = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
         # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE (toolkit.openmp)
         self._load_watch = openmp.load_watch(torch.get_num_threads(), self.accelerator.num_processes)
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
@@ -95,6 +100,7 @@ class TrainingLoop(RunEnd):
         past_max_steps = cfg.max_steps is not None and progress.global_step >= cfg.max_steps
         self.stopped = bool(progress.stop_reason) or past_max_steps  # resumed after a stop or at --max-steps
         while progress.epoch < cfg.epochs and not self.stopped:
+            self.device_epoch.fill_(progress.epoch)
             yield progress.epoch
             if agree(self.accelerator, stop=self._stop_request is not None).stop and not self.stopped:
                 self._take_stop_request()
@@ -147,14 +153,30 @@ class TrainingLoop(RunEnd):
         the GLOBAL batch (global_mean returns it), or `rank_loss`, this rank's mean over its equal share."""
         if (loss is None) == (rank_loss is None):
             raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss=")
-        step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizer, scheduler)
+        graph = self.step_graph
+        graph.saw_optimizer(optimizer)
+        # Captured (--cuda-graphs): the scheduler's step is host work (a new learning rate), after each replay
+        step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizer,
+                       None if graph.capturing else scheduler)
+        if graph.capturing and scheduler is not None:
+            graph.defer(scheduler.step)
         self.record_loss(loss if rank_loss is None else mean_over_processes(self.accelerator, rank_loss.detach()))
+
+    def run_step(self, step: Callable[[dict], None], batch: dict) -> None:
+        """step(batch): the recipe's training step (forward, backward, optimizer_step). Called as is; under
+        --cuda-graphs, captured once as one CUDA graph and replayed (toolkit.step_graph), where it must key anything
+        that changes between steps on tensors (the batch, device_epoch), not on Python values."""
+        self.step_graph.run(step, batch)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss, already the mean over the whole GLOBAL batch (the same value on every rank): a
         rank's own mean must be averaged first (toolkit.distributed.mean_over_processes), or use optimizer_step's
         rank_loss=, which does it. For a step that optimizer_step does not fit (HRM's two optimizers)."""
-        self.losses.record(loss)
+        if self.step_graph.capturing:  # the graph's loss, copied after each replay (the next one overwrites it)
+            static = loss.detach()
+            self.step_graph.defer(lambda: self.losses.record(static))
+        else:
+            self.losses.record(loss)
 
     def read_with_loss(self, provide, consume) -> None:
         """A recipe's own device values (e.g. training sums to log) read in the loss's copy, every --log-every steps:

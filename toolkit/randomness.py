@@ -33,11 +33,13 @@ def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     tensor keys (a GPU tensor key wins over CPU ones; Python ints follow: a scalar key last must not bring the hash
     back to the CPU, as it once did for SASRec's negatives on a GPU)."""
     device = next((k.device for k in keys if isinstance(k, torch.Tensor) and k.device.type != "cpu"), "cpu")
-    hashed = torch.tensor(0x9E3779B9, dtype=torch.int64, device=device)
-    for key in keys:
-        key = torch.as_tensor(key, dtype=torch.int64, device=device)
+    hashed = 0x9E3779B9  # a Python int until the first tensor key: scalar keys cost no kernel and no host-to-device
+    for key in keys:     # copy (which a captured CUDA step cannot hold); the same arithmetic, bit for bit
+        if isinstance(key, torch.Tensor):
+            key = key.to(torch.int64) if key.dim() == 0 and key.device.type == "cpu" else \
+                key.to(device=device, dtype=torch.int64)
         hashed = _mix32(hashed ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
-    return hashed
+    return hashed if isinstance(hashed, torch.Tensor) else torch.tensor(hashed, dtype=torch.int64, device=device)
 
 
 def keyed_uniform(*keys: torch.Tensor | int) -> torch.Tensor:
@@ -109,7 +111,9 @@ def keyed_keep(rows: int, per_row: int, p: float, *, device: torch.device | str 
         return None
     state = _current
     state.calls += 1
-    generator = torch.Generator(device=device).manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
+    generator = _keyed_generator(torch.device(device), state.calls)
+    if not _capturing(generator.device):  # captured (--cuda-graphs): seeded before each replay instead
+        generator.manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))
     count = rows * state.world_size * per_row
     words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
     words.random_(-(2**63), 2**63 - 1, generator=generator)
@@ -118,6 +122,52 @@ def keyed_keep(rows: int, per_row: int, p: float, *, device: torch.device | str 
     lanes = words.view(torch.int16)[:count].view(rows * state.world_size, per_row)
     keep = lanes[state.rank * rows:(state.rank + 1) * rows]  # this rank's rows (the lanes of its samples)
     return keep_from_lanes(keep, p, dtype, scale)
+
+
+# One generator per (device, draw number in the micro-batch), reseeded for each draw: the same numbers as a new
+# generator seeded alike, and the same generator objects every step, which a captured step (toolkit.step_graph)
+# registers with its CUDA graph and reseeds before each replay.
+_generators: dict[tuple[str, int], torch.Generator] = {}
+
+
+def _keyed_generator(device: torch.device, call: int) -> torch.Generator:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    where = str(device)
+    generator = _generators.get((where, call))
+    if generator is None:
+        generator = _generators[(where, call)] = torch.Generator(device=where)
+    return generator
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def keyed_generators() -> list[torch.Generator]:
+    """KeyedDropout's CUDA generators made so far (a captured step registers them with its graph)."""
+    return [g for g in _generators.values() if g.device.type == "cuda"]
+
+
+def keyed_calls() -> int:
+    """KeyedDropout draws so far in the current micro-batch."""
+    return 0 if _current is None else _current.calls
+
+
+def rewind_keyed_calls(calls: int) -> None:
+    """The current micro-batch's draws back to `calls` (a capture that failed made draws that never ran)."""
+    if _current is not None:
+        _current.calls = calls
+
+
+def reseed_keyed_generators(calls: int) -> None:
+    """Before a captured step's replay: seed the generators of its `calls` draws for the current micro-batch, as
+    keyed_keep seeds them when the step runs uncaptured."""
+    if _current is None or not calls:
+        return
+    for (_, call), generator in _generators.items():
+        if call <= calls and generator.device.type == "cuda":
+            generator.manual_seed(keyed_hash_int(_current.seed, 0xD509, _current.key, call))
 
 
 def keep_from_lanes(lanes: torch.Tensor, p: float, dtype: torch.dtype = torch.float32,
@@ -213,8 +263,9 @@ class UntouchedItems:
         self.table = order[:, : int(self.counts.max())].to(torch.int32)
 
     def sample(self, users: torch.Tensor, positions: torch.Tensor, *, seed: int, purpose: int,
-               epoch: int) -> torch.Tensor:
-        """int64 [B, P]: users [B] (on the table's device), positions [P]."""
+               epoch: int | torch.Tensor) -> torch.Tensor:
+        """int64 [B, P]: users [B] (on the table's device), positions [P]; the epoch an int or a 0-d int64 tensor
+        (the same draws; a captured step needs the tensor)."""
         users = users.view(-1, 1)
         positions = positions.view(1, -1).to(users.device)
         rank = keyed_hash(seed, purpose, epoch, users, positions) % self.counts[users]

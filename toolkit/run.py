@@ -39,7 +39,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown
+from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown, step_graph
 from toolkit.accelerator import ToolkitAccelerator
 from toolkit.config import RESUMABLE_CHANGES, TrainConfig, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
 from toolkit.console import write_line
@@ -91,6 +91,7 @@ class Run:
     extra_info: dict = dataclasses.field(default_factory=dict)
     begun: bool = False
     ended: bool = False
+    whole_step_graphs: bool = False  # --cuda-graphs captures the whole step (toolkit.step_graph), not the model's
 
     def __enter__(self) -> Run:
         return self
@@ -237,6 +238,12 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     if config.cuda_graphs and accelerator.device.type != "cuda":
         raise UsageError(f"--cuda-graphs needs a CUDA device; this run is on {accelerator.device.type}: drop the flag "
                          "(--compile compiles on any device)")
+    graphs_refused = None
+    if config.cuda_graphs:
+        graphs_refused = step_graph.whole_step_refusal(config, num_processes=accelerator.num_processes,
+                                                       mixed_precision=accelerator.mixed_precision)
+        if graphs_refused is None:  # the whole step is one graph: the model is compiled only for --compile
+            accelerator.compile_mode, accelerator.compiles = None, config.compile
     if config.threads:  # after the Accelerator: it may have set its own thread count
         torch.set_num_threads(config.threads)
     slow_bf16 = None
@@ -246,11 +253,13 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     preemption.install_handler()
 
     run = Run(accelerator, config, recipe, output_dir, run_name, run_id, resume_checkpoint, previous, resume_step,
-              dict(extra_info or {}))
+              dict(extra_info or {}), whole_step_graphs=config.cuda_graphs and graphs_refused is None)
     watch_peers(accelerator.process_index, accelerator.num_processes, output_dir)
     _announce_rank(accelerator)
     wait_policy = openmp.wait_policy_line(torch.get_num_threads())
-    for line in [*warnings, *([slow_bf16] if slow_bf16 else []), *([wait_policy] if wait_policy else [])]:
+    graphs_line = step_graph.refusal_line(graphs_refused) if graphs_refused else None
+    for line in [*warnings, *([slow_bf16] if slow_bf16 else []), *([wait_policy] if wait_policy else []),
+                 *([graphs_line] if graphs_line else [])]:
         run.print(line)
     where = f"resuming from {resume_checkpoint}" if resume_checkpoint else "fresh start"
     run.print(f"run {run_name}: {output_dir} ({where}); {accelerator.num_processes} process(es), {accelerator.device}")

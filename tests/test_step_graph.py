@@ -1,0 +1,128 @@
+"""--cuda-graphs capturing a whole step (toolkit.step_graph), on the parts a CPU can run: which runs may capture and
+the one line for those that may not; when the loop captures, replays, and runs uncaptured; and that the values a
+captured step keys on tensors (the epoch of SASRec's negatives, KeyedDropout's generators) draw exactly what the
+uncaptured step draws. Capture itself needs CUDA: benchmarks/gpu_proof.py's `graphs` check trains captured and
+uncaptured side by side on a GPU and compares the weights byte for byte."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit import randomness
+from toolkit.config import TrainConfig
+from toolkit.step_graph import WARMUP, StepGraph, refusal_line, whole_step_refusal
+
+
+def test_which_runs_capture_the_whole_step_and_the_line_for_the_others():
+    from recipes.dcrnn import DCRNNConfig
+    from recipes.hrm import HRMConfig
+    from recipes.sasrec import SASRecConfig
+    from recipes.ufs_emulator import UfsConfig
+
+    one = {"num_processes": 1, "mixed_precision": "bf16"}
+    assert whole_step_refusal(UfsConfig(), **one) is None
+    assert whole_step_refusal(SASRecConfig(), **one) is None
+    assert whole_step_refusal(SASRecConfig(variant="tisasrec-mhc"), **one) is None
+    assert "--loss ce" in whole_step_refusal(SASRecConfig(loss="ce"), **one)
+    for other in (HRMConfig(), DCRNNConfig(), TrainConfig()):
+        assert "does not give its step to loop.run_step" in whole_step_refusal(other, **one)
+    assert "2 processes" in whole_step_refusal(UfsConfig(), num_processes=2, mixed_precision="no")
+    assert "--grad-accum 4" in whole_step_refusal(UfsConfig(grad_accum=4), **one)
+    assert "fp16" in whole_step_refusal(UfsConfig(), num_processes=1, mixed_precision="fp16")
+    line = refusal_line(whole_step_refusal(UfsConfig(), num_processes=2, mixed_precision="no"))
+    assert line.startswith("--cuda-graphs: the whole step is not captured (2 processes") and "\n" not in line
+    assert 'mode="reduce-overhead"' in line
+
+
+class RecordingGraph(StepGraph):
+    """StepGraph with the capture and the replay (CUDA's) recorded instead of done: the policy around them."""
+
+    def __init__(self):
+        self.lines, self.events = [], []
+        super().__init__(enabled=True, say=self.lines.append)
+
+    def _capture(self, step, batch, signature) -> bool:
+        self.events.append("capture")
+        self._graph, self._signature = object(), signature
+        return True
+
+    def _replay(self, batch) -> None:
+        self.events.append("replay")
+
+
+def test_the_step_runs_uncaptured_until_the_optimizer_holds_still_then_replays():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    graph = RecordingGraph()
+
+    def step(batch):
+        graph.events.append("eager")
+        graph.saw_optimizer(optimizer)  # as loop.optimizer_step tells it
+
+    batch = {"x": torch.zeros(4, 3)}
+    for _ in range(WARMUP + 4):
+        graph.run(step, batch)
+    # the first step shows the optimizer; WARMUP steady steps after it; then one capture and replays
+    assert graph.events == ["eager"] * (WARMUP + 1) + ["capture", "replay", "replay", "replay"]
+    assert graph.lines == []  # the real capture says its own line
+
+    graph.events.clear()
+    optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's new rate: baked into the graph, so it is dropped
+    for _ in range(WARMUP + 2):
+        graph.run(step, batch)
+    assert graph.events == ["eager"] * WARMUP + ["capture", "replay", "replay"]
+    assert len(graph.lines) == 1 and "hyperparameters changed" in graph.lines[0]
+
+    graph.events.clear()
+    optimizer.param_groups[0]["capturable"] = True  # what the real capture sets is no change: still replayed
+    graph.run(step, batch)
+    graph.run(step, {"x": torch.zeros(5, 3)})  # another shape: dropped, uncaptured
+    assert graph.events == ["replay", "eager"]
+    assert len(graph.lines) == 1  # said once a life
+
+
+def test_without_the_flag_the_step_is_called_as_is():
+    calls = []
+    graph = StepGraph(enabled=False)
+    for i in range(WARMUP + 3):
+        graph.run(calls.append, {"i": i})
+    assert [c["i"] for c in calls] == list(range(WARMUP + 3)) and not graph.capturing
+
+
+def test_keyed_dropout_generators_are_reused_and_draw_what_a_new_generator_draws():
+    # A captured step registers KeyedDropout's generators with its graph: the same objects every micro-batch,
+    # reseeded per draw. Their masks must be those of a new generator seeded alike (the checkpoints' streams).
+    def fresh(seed, key, call, rows, per_row, p, rank, world):
+        generator = torch.Generator().manual_seed(randomness.keyed_hash_int(seed, 0xD509, key, call))
+        count = rows * world * per_row
+        words = torch.empty((count + 3) // 4, dtype=torch.int64)
+        words.random_(-(2**63), 2**63 - 1, generator=generator)
+        lanes = words.view(torch.int16)[:count].view(rows * world, per_row)[rank * rows:(rank + 1) * rows]
+        return randomness.keep_from_lanes(lanes, p)
+
+    masks = {}
+    for key in (11, 12, 11):
+        randomness.begin_micro_batch(seed=3, key=key, rank=1, world_size=2)
+        drawn = [randomness.keyed_keep(4, 9, 0.2) for _ in range(2)]
+        assert randomness.keyed_calls() == 2
+        for call, mask in enumerate(drawn, start=1):
+            assert torch.equal(mask, fresh(3, key, call, 4, 9, 0.2, 1, 2)), (key, call)
+        masks.setdefault(key, drawn)
+        assert all(torch.equal(a, b) for a, b in zip(masks[key], drawn, strict=True))
+    randomness.rewind_keyed_calls(0)
+    assert randomness.keyed_calls() == 0
+    randomness.end_micro_batches()
+    assert randomness.keyed_generators() == []  # CPU generators: none for a CUDA graph to register
+
+
+def test_negatives_keyed_on_the_epoch_as_a_tensor_are_those_of_the_int():
+    # SASRec's captured step keys its negatives on loop.device_epoch: the draws must not change
+    touched = torch.rand(7, 41, generator=torch.Generator().manual_seed(0)) < 0.4
+    sampler = randomness.UntouchedItems(touched)
+    users, positions = torch.tensor([0, 3, 6, 2]), torch.arange(12)
+    for epoch in (0, 1, 57):
+        as_int = sampler.sample(users, positions, seed=5, purpose=2, epoch=epoch)
+        as_tensor = sampler.sample(users, positions, seed=5, purpose=2, epoch=torch.tensor(epoch))
+        assert torch.equal(as_int, as_tensor)
+    assert not torch.equal(sampler.sample(users, positions, seed=5, purpose=2, epoch=torch.tensor(1)),
+                           sampler.sample(users, positions, seed=5, purpose=2, epoch=0))
