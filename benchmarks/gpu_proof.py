@@ -46,14 +46,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("sasrec", "ufs_emulator", "dcrnn", "hrm")
-PRECISIONS = {
+PRECISIONS = {  # the default --precisions
     "fp32": ["--mixed-precision", "no"],
     "bf16": ["--mixed-precision", "bf16"],
     "fp16": ["--mixed-precision", "fp16"],
     "bf16+compile": ["--mixed-precision", "bf16", "--compile"],
     "bf16+cuda-graphs": ["--mixed-precision", "bf16", "--cuda-graphs"],  # the CUDA-only one: refused on CPU
 }
-ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
+EXTRA_PRECISIONS = {"fp32+cuda-graphs": ["--mixed-precision", "no", "--cuda-graphs"]}  # asked for by --precisions
+ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-graphs",
+               "fp32+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
+PRECISION_FLAGS = {**PRECISIONS, **EXTRA_PRECISIONS}
 SECTIONS = ("doctor", "precision", "throughput", "graphs", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
 GRAPH_RECIPES = ("ufs_emulator", "sasrec")  # the recipes whose whole step --cuda-graphs captures (toolkit.step_graph)
 
@@ -307,7 +310,7 @@ def check_precision(proof: Proof, recipe: str, precision: str, check: Check, run
     if precision == "bf16+compile" and recipe not in proof.profile.compile_recipes:
         check.status, check.detail = "SKIP", "not in this profile (the cold compile takes minutes on 2 cores)"
         return
-    flags = [*proof.profile.recipe_flags[recipe], *PRECISIONS[precision], "--max-steps", str(2 * steps),
+    flags = [*proof.profile.recipe_flags[recipe], *PRECISION_FLAGS[precision], "--max-steps", str(2 * steps),
              "--eval-every-steps", str(steps), "--log-with", "csv"]
     on_cpu = proof.profile.name == "cpu"
     if precision in ON_GPU_ONLY and on_cpu and recipe != RECIPES[0]:
@@ -401,7 +404,7 @@ def check_sequence_kernels(proof: Proof, check: Check) -> None:
 
 def check_resume(proof: Proof, recipe: str, precision: str, check: Check) -> None:
     steps = proof.profile.steps
-    base = [*proof.profile.recipe_flags[recipe], *PRECISIONS[precision], "--deterministic", "--eval-every-steps",
+    base = [*proof.profile.recipe_flags[recipe], *PRECISION_FLAGS[precision], "--deterministic", "--eval-every-steps",
             str(steps), "--checkpoint-every", str(steps), "--log-with", "csv", "--log-every", "1"]
     tag = f"{recipe}-{precision}-resume"
     straight, result = proof.launch(recipe, [*base, "--max-steps", str(2 * steps)], f"{tag}-straight")
@@ -610,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hrm-steps", type=int, default=None, metavar="N",
                         help="steps of the hrm-sudoku-1k check (default: the profile's; 2,000 take ~45 min on an H100 "
                              "today, so a lease wants a few hundred)")
-    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
+    parser.add_argument("--precisions", nargs="+", choices=[*PRECISIONS, *EXTRA_PRECISIONS], default=list(PRECISIONS),
                         metavar="PRECISION", help=f"the precisions of the precision section ({', '.join(PRECISIONS)})")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
                         help=f"run only these sections ({', '.join(SECTIONS)})")
@@ -657,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in GRAPH_RECIPES:
             proof.check("graphs", f"{recipe} captured = uncaptured", lambda c, r=recipe: check_graphs(proof, r, c))
     if "resume" in wanted:
-        for recipe in profile.resume_recipes:
-            for precision in profile.resume_precisions:
+        for recipe in [r for r in profile.resume_recipes if r in args.recipes]:  # (--recipes, --precisions narrow it)
+            for precision in [p for p in profile.resume_precisions if p in args.precisions]:
                 proof.check("resume", f"{recipe} {precision} --deterministic",
                             lambda c, r=recipe, p=precision: check_resume(proof, r, p, c))
     if "hrm-sudoku-1k" in wanted:
