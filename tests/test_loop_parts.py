@@ -154,6 +154,7 @@ def test_a_gpu_busy_under_30_percent_of_its_first_minute_is_said_once():
 
     said, meter = meter_at(12.0)
     assert len(said) == 1 and said[0].startswith("the GPU was busy 12% of the first minute: it waits for the host")
+    assert all(hint in said[0] for hint in ("--batch-size", "--cuda-graphs", "--runs-per-device"))
     assert len(meter.timer.gpu_util) == 100  # one reading a second
     assert meter_at(55.0)[0] == []  # busy enough: nothing said
     cpu = StepMeter(torch.device("cpu"), show_bar=False, say=said.append, utilisation=lambda: 0.0)

@@ -126,3 +126,22 @@ def test_negatives_keyed_on_the_epoch_as_a_tensor_are_those_of_the_int():
         assert torch.equal(as_int, as_tensor)
     assert not torch.equal(sampler.sample(users, positions, seed=5, purpose=2, epoch=torch.tensor(1)),
                            sampler.sample(users, positions, seed=5, purpose=2, epoch=0))
+
+
+def test_an_optimizer_with_python_state_is_never_captured():
+    # AdamATan2 counts its steps in a Python float: a replay would repeat the captured step's bias correction
+    from toolkit.models.hrm import AdamATan2
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = AdamATan2([weight], lr=0.1)
+    lines, calls = [], []
+    graph = StepGraph(enabled=True, say=lines.append)
+
+    def step(batch):
+        calls.append(1)
+        graph.saw_optimizer(optimizer)
+
+    for _ in range(WARMUP + 4):
+        graph.run(step, {"x": torch.zeros(2)})
+    assert len(calls) == WARMUP + 4 and graph.steps_replayed == 0 and not graph.enabled
+    assert len(lines) == 1 and "AdamATan2 keeps Python state" in lines[0] and "runs uncaptured" in lines[0]

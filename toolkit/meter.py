@@ -102,8 +102,8 @@ class StepMeter:
             busy = sum(readings) / len(readings)
             if busy < WAITING_BELOW:
                 self.say(f"the GPU was busy {busy:.0f}% of the first minute: it waits for the host (kernel launches, "
-                         "syncs, the loader); try a larger per-GPU batch (--batch-size), --compile, or several "
-                         "runs at once on the device")
+                         "syncs, the loader); try a larger per-GPU batch (--batch-size), --cuda-graphs, or several "
+                         "runs at once on the device (python -m toolkit sweep ... --runs-per-device N)")
 
     def interval_seconds(self) -> float:
         return time.perf_counter() - self.timer.started

@@ -44,6 +44,8 @@ import torch
 
 from toolkit import randomness
 
+# torch's optimizers whose step keeps no Python state that changes (Adam/AdamW: the step count is a device tensor)
+CAPTURE_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 WARMUP = 3  # uncaptured steps before a capture (torch's docs warm up a few iterations; the optimizer needs one)
 
 
@@ -137,6 +139,13 @@ class StepGraph:
         """Capture step(batch) (nothing runs on the device); False, said in one line, where torch refuses: the run
         goes on uncaptured (the step then runs as it would have, the micro-batch's dropout draws counted anew)."""
         began = time.perf_counter()
+        unsafe = [type(o).__name__ for o in (getattr(o, "optimizer", o) for o in self.optimizers)
+                  if not isinstance(o, CAPTURE_SAFE)]
+        if unsafe:  # e.g. AdamATan2: its step count is a Python number, which a replay would not advance
+            self.enabled = False
+            self.say(f"--cuda-graphs: the step is not captured: {', '.join(unsafe)} keeps Python state a graph would "
+                     f"freeze (captured: {', '.join(c.__name__ for c in CAPTURE_SAFE)}); it runs uncaptured")
+            return False
         for optimizer in self.optimizers:  # torch refuses to capture an optimizer step otherwise (same arithmetic)
             for group in optimizer.param_groups:
                 if "capturable" in group:
