@@ -11,12 +11,13 @@ from accelerate import Accelerator
 
 from toolkit.loop import TrainingLoop
 from toolkit.losses import StepLosses
+from toolkit.step_graph import StepGraph
 
 
 def stand_in_loop(accelerator, model, max_grad_norm: float) -> SimpleNamespace:
     """The attributes optimizer_step reads, without a run directory (the method is called unbound on it)."""
     loop = SimpleNamespace(accelerator=accelerator, model=model, config=SimpleNamespace(max_grad_norm=max_grad_norm),
-                           losses=StepLosses(read_every=1))
+                           losses=StepLosses(read_every=1), step_graph=StepGraph(enabled=False))
     loop.record_loss = lambda loss: TrainingLoop.record_loss(loop, loss)
     return loop
 
