@@ -178,6 +178,21 @@ MUTATIONS = [
              "self._micro.append(loss.clone() if self.copy else loss)", "self._micro.append(loss)",
              ("tests/test_cuda_graphs.py",),
              "a recorded loss is the graph's output, overwritten by its next replay"),
+    Mutation("step-graph-keeps-a-stale-capture", "toolkit/step_graph.py",
+             "        if self._graph is not None and signature != self._signature:", "        if False:",
+             ("tests/test_step_graph.py",),
+             "a captured step replays the learning rate it was captured with after the scheduler changed it"),
+    Mutation("step-graph-captures-python-state", "toolkit/step_graph.py", "        if unsafe:", "        if False:",
+             ("tests/test_step_graph.py",),
+             "AdamATan2's Python step count is frozen into the graph: every replay repeats one bias correction"),
+    Mutation("keyed-dropout-generator-not-reseeded", "toolkit/randomness.py",
+             "        generator.manual_seed(keyed_hash_int(state.seed, 0xD509, state.key, state.calls))",
+             "        pass", ("tests/test_step_graph.py", "tests/test_randomness.py"),
+             "a reused generator continues its stream: masks depend on what ran before, not on the key"),
+    Mutation("keyed-hash-folds-ints-differently", "toolkit/randomness.py",
+             "    hashed = 0x9E3779B9  # a Python int", "    hashed = 0x9E3779B8  # a Python int",
+             ("tests/test_randomness.py",),
+             "Python-int keys folded on the host no longer give the tensor hash's values"),
 ]
 
 
