@@ -135,6 +135,9 @@ def check(cfg: SASRecConfig) -> None:
         raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
 
 
+SCORE_EVERY_POSITION_ON = ("cuda",)  # next_item_loss: the device types whose BCE zeroes the padding (no boolean index)
+
+
 def next_item_loss(
     scorer: SASRec, hidden: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor | None, accelerator
 ):
@@ -145,7 +148,7 @@ def next_item_loss(
         # On a GPU every position is scored and the padding's terms zeroed: a boolean index reads its size on the
         # host (a sync, which a captured step cannot hold). On a CPU only the targets' positions are scored: at
         # maxlen 200 most positions are padding, and scoring them cost 5% of a step (the embedding gathers)
-        keep_all = hidden.device.type != "cpu"
+        keep_all = hidden.device.type in SCORE_EVERY_POSITION_ON
         if not keep_all:
             hidden, candidates = hidden[positions], candidates[positions]
         logits = scorer.score_items(hidden, candidates)

@@ -6,7 +6,13 @@ uncaptured side by side on a GPU and compares the weights byte for byte."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+import pytest
 import torch
+from conftest import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import randomness
 from toolkit.config import TrainConfig
@@ -145,3 +151,76 @@ def test_an_optimizer_with_python_state_is_never_captured():
         graph.run(step, {"x": torch.zeros(2)})
     assert len(calls) == WARMUP + 4 and graph.steps_replayed == 0 and not graph.enabled
     assert len(lines) == 1 and "AdamATan2 keeps Python state" in lines[0] and "runs uncaptured" in lines[0]
+
+
+class OpStream(TorchDispatchMode):
+    """Every aten op a step dispatches, with its arguments: tensors as (shape, dtype, device), the rest as given. A
+    Python value among them is what a CUDA graph bakes into its kernels at the capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "record_function" not in str(func):  # the profiler's marks (Optimizer.step's): no kernel
+            self.ops.append((str(func), _described(args), _described(tuple(sorted(kwargs.items())))))
+        return func(*args, **kwargs)
+
+
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, torch.Generator):
+        return ("generator", value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_described(v) for v in value)
+    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, type(None))):
+        return value
+    return type(value).__name__
+
+
+def _load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}_streams", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("recipe", ["ufs_emulator", "sasrec"])
+def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_steps(recipe, tmp_path, monkeypatch,
+                                                                                    movielens_cache):
+    # What --cuda-graphs replays is what the capture recorded: the ops and their Python arguments. Every step of the
+    # recipes that capture their whole step, across an epoch's end, must dispatch the same ops with the same Python
+    # values (the epoch, the seed, the learning rate ...), only the tensors' contents differing. SASRec on the CPU
+    # picks its targets by a boolean index (a shape per batch): its GPU path, every position scored, is the one
+    # checked here.
+    from toolkit import loop as loop_module
+
+    module = _load_recipe(recipe)
+    streams, epochs = [], []
+
+    def recording_run(self, step, batch):
+        with OpStream() as stream:
+            step(batch)
+        streams.append(stream.ops)
+
+    monkeypatch.setattr(StepGraph, "run", recording_run)
+    monkeypatch.setattr(loop_module, "AFTER_STEP_HOOKS", [lambda loop: epochs.append(loop.progress.epoch)])
+    common = ["--output-dir", str(tmp_path / "run"), "--log-with", "none", "--checkpoint-every", "0", "--threads", "1"]
+    if recipe == "sasrec":  # 943 users, batch 128: 7 steps an epoch
+        monkeypatch.setattr(module, "SCORE_EVERY_POSITION_ON", ("cuda", "cpu"))
+        flags = ["--cache-dir", str(movielens_cache), "--hidden", "8", "--blocks", "1", "--maxlen", "20",
+                 "--max-steps", "10"]
+    else:
+        from toolkit.data.ufs import synthesize
+
+        data = synthesize(tmp_path / "ufs.nc", seed=0, nlat=24, nlon=48)
+        flags = ["--data", str(data), "--hidden", "8", "--batch-size", "100", "--max-steps", "10"]
+    module.main([*flags, *common])
+    assert len(streams) == 10 and len(set(epochs)) >= 2, (len(streams), epochs)  # an epoch's end among them
+    steady = streams[1:]  # the first step makes the optimizer's state
+    for number, stream in enumerate(steady, start=2):
+        assert stream == steady[0], f"step {number} dispatches other ops or Python values than step 2"
+    assert any("random_" in op for op, _, _ in steady[0]) == (recipe == "sasrec")  # keyed dropout's draws
