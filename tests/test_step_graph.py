@@ -224,3 +224,20 @@ def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_step
     for number, stream in enumerate(steady, start=2):
         assert stream == steady[0], f"step {number} dispatches other ops or Python values than step 2"
     assert any("random_" in op for op, _, _ in steady[0]) == (recipe == "sasrec")  # keyed dropout's draws
+
+
+def test_a_batch_with_a_host_tensor_is_never_captured():
+    # (a host tensor's value enters a CUDA kernel as an argument when it is launched: a replay would repeat it)
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    lines, calls = [], []
+    graph = StepGraph(enabled=True, say=lines.append)
+
+    def step(batch):
+        calls.append(1)
+        graph.saw_optimizer(optimizer)
+
+    for _ in range(WARMUP + 3):
+        graph.run(step, {"x": torch.zeros(2), "n": 3})
+    assert len(calls) == WARMUP + 3 and graph.steps_replayed == 0 and not graph.enabled
+    assert lines == ["--cuda-graphs: the step is not captured: the batch's x is not on the GPU; it runs uncaptured"]

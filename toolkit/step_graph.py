@@ -25,7 +25,8 @@ Without --cuda-graphs (and on CPU) run_step calls the function: nothing else cha
   are registered with the graph and reseeded before each replay, toolkit.randomness). The optimizers' Python
   hyperparameters (the learning rate a scheduler sets) are watched: when one changes, the step runs uncaptured
   until they have held still for WARMUP steps, then is captured anew. A step whose batch shapes differ from the
-  capture's runs uncaptured. gpu_proof's `graphs` check trains captured and uncaptured side by side and compares
+  capture's runs uncaptured. Never captured, said in one line: a batch tensor on the host, an optimizer other than
+  torch's Adam, AdamW or SGD (AdamATan2 counts its steps in Python). gpu_proof's `graphs` check trains captured and uncaptured side by side and compares
   the weights byte for byte.
 
 Where a whole step cannot be one graph, the model's forward and backward are captured instead (torch.compile
@@ -145,6 +146,12 @@ class StepGraph:
             self.enabled = False
             self.say(f"--cuda-graphs: the step is not captured: {', '.join(unsafe)} keeps Python state a graph would "
                      f"freeze (captured: {', '.join(c.__name__ for c in CAPTURE_SAFE)}); it runs uncaptured")
+            return False
+        on_host = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type != "cuda"]
+        if on_host:  # a host tensor's value would be read once, at the capture, and replayed
+            self.enabled = False
+            self.say(f"--cuda-graphs: the step is not captured: the batch's {', '.join(on_host)} is not on the GPU; it "
+                     "runs uncaptured")
             return False
         for optimizer in self.optimizers:  # torch refuses to capture an optimizer step otherwise (same arithmetic)
             for group in optimizer.param_groups:
