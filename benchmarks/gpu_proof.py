@@ -13,8 +13,8 @@ it. The report is rewritten after every check, so a run cut short still leaves w
 3. throughput: the steady-state samples/s of those runs (their last metrics.csv row: the first holds the warm-up and
    the compilation), side by side per recipe; and DCRNN's two step kernels (--sequence-kernel fused and cells, fp32)
    side by side, saying whether `auto`'s choice for this device is the faster.
-4. graphs: the UFS MLP and SASRec, whose whole step --cuda-graphs captures as one CUDA graph, trained captured and
-   uncaptured side by side (fp32, --deterministic): weights byte for byte and every logged loss equal.
+4. graphs: the UFS MLP, SASRec and DCRNN, whose whole step --cuda-graphs captures as one CUDA graph, trained
+   captured and uncaptured side by side (fp32, --deterministic): weights byte for byte and every logged loss equal.
 5. resume: SASRec and HRM with --deterministic, in fp32, bf16 and bf16 + --cuda-graphs: stopped half-way and
    resumed, against the uninterrupted run: model weights compared byte for byte, and every logged loss.
 6. hrm-sudoku-1k: the first 2,000 steps of `--preset sudoku-1k` (bf16 + --compile) on its generated hard puzzles:
@@ -58,7 +58,8 @@ ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-gra
                "fp32+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
 PRECISION_FLAGS = {**PRECISIONS, **EXTRA_PRECISIONS}
 SECTIONS = ("doctor", "precision", "throughput", "graphs", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
-GRAPH_RECIPES = ("ufs_emulator", "sasrec")  # the recipes whose whole step --cuda-graphs captures (toolkit.step_graph)
+# the recipes whose whole step --cuda-graphs captures (toolkit.step_graph)
+GRAPH_RECIPES = ("ufs_emulator", "sasrec", "dcrnn")
 
 
 @dataclass

@@ -105,6 +105,9 @@ class DCRNNConfig(TrainConfig):
     a DCGRU cell step at a time under autograd; `auto`, fused on CUDA and cells on CPU (where the cells are faster)
     and under --compile (which traces the cells). A resume keeps the run's value."""
 
+    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
+        return None
+
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
@@ -134,7 +137,10 @@ def check(cfg: DCRNNConfig) -> None:
     require_range(cfg, "(0, 1]", "lr_decay")
     if cfg.sequence_kernel == "fused" and (cfg.compile or cfg.cuda_graphs):
         flag = "--cuda-graphs" if cfg.cuda_graphs else "--compile"
-        raise UsageError(f"--sequence-kernel fused cannot be compiled ({flag} traces the cells); give "
+        # (--cuda-graphs: the fused kernel reuses buffers it keeps in Python between steps, which a replay would not)
+        what = ("captured (--cuda-graphs captures the cells)" if cfg.cuda_graphs
+                else "compiled (--compile traces the cells)")
+        raise UsageError(f"--sequence-kernel fused cannot be {what}; give "
                          f"--sequence-kernel auto or cells with {flag}, or leave {flag} out")
     if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
         raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
@@ -196,7 +202,7 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         layers=cfg.layers,
         diffusion_steps=cfg.diffusion_steps,
         horizon=OUTPUT_STEPS,
-        sequence_kernel=cfg.sequence_kernel,
+        sequence_kernel="cells" if cfg.cuda_graphs else cfg.sequence_kernel,  # (a captured step: the cells)
     )
     # the kernel this run's forwards take: the compiled model traces the cells; auto's choice depends on the device
     kernel = "cells" if cfg.compile or cfg.cuda_graphs else model.kernel_for(accelerator.device)
@@ -232,25 +238,37 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         higher_is_better=False,
     )
 
+    def teacher_forcing(batch) -> dict:
+        """The batch with this step's scheduled-sampling values as tensors on the device (the step and the
+        probability of the truth, computed on the host as the reference does): a captured step replays tensors."""
+        if not cfg.sampling_decay_steps:
+            return batch
+        step, device = loop.progress.global_step, batch["y"].device
+        probability = sampling_probability(step, cfg.sampling_decay_steps)
+        return {**batch, "step": torch.full((), step, dtype=torch.int64, device=device),
+                "teacher_probability": torch.full((), probability, dtype=torch.float64, device=device)}
+
     def training_loss(batch):
         truth = batch["y"]
         use_teacher = None
         if cfg.sampling_decay_steps:
-            step = loop.progress.global_step
             horizons = torch.arange(OUTPUT_STEPS, device=truth.device)[None, :]
-            coins = keyed_uniform(cfg.seed, TEACHER_COINS, step, batch["window"][:, None], horizons)  # on the device
-            use_teacher = coins < sampling_probability(step, cfg.sampling_decay_steps)
+            coins = keyed_uniform(cfg.seed, TEACHER_COINS, batch["step"], batch["window"][:, None], horizons)
+            use_teacher = coins < batch["teacher_probability"]
         return masked_mae(model(batch["x"], scaler.transform(truth), use_teacher), truth, scaler, accelerator)
+
+    def train_step(batch):
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss, loss_value = training_loss(batch)
+            accelerator.backward(loss)
+            loop.optimizer_step(optimizer, scheduler, loss=loss_value)
 
     # ---- train: the loop takes the run directory and resumes; it evaluates and checkpoints when due ----------
     loop.start()
     for _epoch in loop.epochs():
         for batch in loop.batches():
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    loss, loss_value = training_loss(batch)
-                accelerator.backward(loss)
-                loop.optimizer_step(optimizer, scheduler, loss=loss_value)
+            loop.run_step(train_step, teacher_forcing(batch))  # --cuda-graphs: captured once, replayed
         loop.end_epoch()
 
     # ---- test the best validation checkpoint, next to the baselines on the same windows -----------------------

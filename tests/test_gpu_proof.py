@@ -41,7 +41,7 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
                 *{("precision", f"{r} {p}") for r in recipes for p in ("fp32", "bf16", "fp16", "bf16+compile",
                                                                      "bf16+cuda-graphs")},
                 ("resume", "sasrec fp32 --deterministic"),
-                *{("graphs", f"{r} captured = uncaptured") for r in ("ufs_emulator", "sasrec")},
+                *{("graphs", f"{r} captured = uncaptured") for r in ("ufs_emulator", "sasrec", "dcrnn")},
                 *{("cpu-scaling", r) for r in ("ufs_emulator", "dcrnn")}}
     assert set(rows) == expected
     passed = {key for key, (status, _) in rows.items() if status == "PASS"}
@@ -49,7 +49,7 @@ def test_the_cpu_profile_runs_every_check_and_reports_its_figures(tmp_path, movi
     # fp16 needs a GPU (refused here, checked); compiling every recipe takes too long on 2 cores: the UFS MLP's is run
     assert skipped == {("precision", f"{r} {p}") for r in recipes for p in ("fp16", "bf16+cuda-graphs")} | {
         ("precision", f"{r} bf16+compile") for r in ("sasrec", "dcrnn", "hrm")} | {
-        ("graphs", f"{r} captured = uncaptured") for r in ("ufs_emulator", "sasrec")}  # --cuda-graphs needs a GPU
+        ("graphs", f"{r} captured = uncaptured") for r in ("ufs_emulator", "sasrec", "dcrnn")}  # needs a GPU
     assert passed == expected - skipped
     for gpu_only in ("fp16", "bf16+cuda-graphs"):  # refused on the first recipe (checked), skipped on the others
         assert "refused on the CPU with one line" in rows[("precision", f"sasrec {gpu_only}")][1]

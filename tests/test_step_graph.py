@@ -30,7 +30,8 @@ def test_which_runs_capture_the_whole_step_and_the_line_for_the_others():
     assert whole_step_refusal(SASRecConfig(), **one) is None
     assert whole_step_refusal(SASRecConfig(variant="tisasrec-mhc"), **one) is None
     assert "--loss ce" in whole_step_refusal(SASRecConfig(loss="ce"), **one)
-    for other in (HRMConfig(), DCRNNConfig(), TrainConfig()):
+    assert whole_step_refusal(DCRNNConfig(), **one) is None
+    for other in (HRMConfig(), TrainConfig()):
         assert "does not give its step to loop.run_step" in whole_step_refusal(other, **one)
     assert "2 processes" in whole_step_refusal(UfsConfig(), num_processes=2, mixed_precision="no")
     assert "--grad-accum 4" in whole_step_refusal(UfsConfig(grad_accum=4), **one)
@@ -188,9 +189,9 @@ def _load_recipe(name: str):
     return module
 
 
-@pytest.mark.parametrize("recipe", ["ufs_emulator", "sasrec"])
+@pytest.mark.parametrize("recipe", ["ufs_emulator", "sasrec", "dcrnn"])
 def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_steps(recipe, tmp_path, monkeypatch,
-                                                                                    movielens_cache):
+                                                                                    movielens_cache, synth_data):
     # What --cuda-graphs replays is what the capture recorded: the ops and their Python arguments. Every step of the
     # recipes that capture their whole step, across an epoch's end, must dispatch the same ops with the same Python
     # values (the epoch, the seed, the learning rate ...), only the tensors' contents differing. SASRec on the CPU
@@ -213,6 +214,9 @@ def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_step
         monkeypatch.setattr(module, "SCORE_EVERY_POSITION_ON", ("cuda", "cpu"))
         flags = ["--cache-dir", str(movielens_cache), "--hidden", "8", "--blocks", "1", "--maxlen", "20",
                  "--max-steps", "10"]
+    elif recipe == "dcrnn":  # its scheduled sampling's coins and probability change every step: tensors
+        flags = ["--data", str(synth_data), "--cache-dir", str(tmp_path / "cache"), "--units", "8",
+                 "--batch-size", "128", "--max-steps", "10"]
     else:
         from toolkit.data.ufs import synthesize
 

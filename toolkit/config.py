@@ -93,7 +93,7 @@ class TrainConfig:
     cuda_graphs: bool = False
     """On CUDA: capture the whole training step (forward, backward, optimizer) as one CUDA graph and replay it: a few
     launches where a step launched hundreds of kernels (with --compile, of the compiled model). Where a recipe or run
-    cannot (several processes, --grad-accum, fp16, HRM, DCRNN), the model is compiled with its forward and backward
+    cannot (several processes, --grad-accum, fp16, HRM), the model is compiled with its forward and backward
     captured instead (torch.compile mode="reduce-overhead"), said in one line. Refused on CPU."""
     dist_timeout: float = 600.0
     """Seconds a collective may wait for a lost or stuck rank before the run fails."""

@@ -2,7 +2,7 @@
 replayed, so a step costs a few launches of the host instead of hundreds (issue 23: on a GPU the device waited on
 the host at these model sizes).
 
-A recipe gives its step as a function of the batch and the loop runs it (recipes/sasrec.py, recipes/ufs_emulator.py):
+A recipe gives its step as a function of the batch and the loop runs it (UFS, SASRec, DCRNN; e.g. recipes/sasrec.py):
 
     def train_step(batch):
         with accelerator.accumulate(model):
@@ -26,14 +26,15 @@ Without --cuda-graphs (and on CPU) run_step calls the function: nothing else cha
   hyperparameters (the learning rate a scheduler sets) are watched: when one changes, the step runs uncaptured
   until they have held still for WARMUP steps, then is captured anew. A step whose batch shapes differ from the
   capture's runs uncaptured. Never captured, said in one line: a batch tensor on the host, an optimizer other than
-  torch's Adam, AdamW or SGD (AdamATan2 counts its steps in Python). gpu_proof's `graphs` check trains captured and uncaptured side by side and compares
-  the weights byte for byte.
+  torch's Adam, AdamW or SGD (AdamATan2 counts its steps in Python). tests/test_step_graph.py records each step's
+  ops and Python arguments across an epoch's end (all equal after the first); gpu_proof's `graphs` check trains
+  captured and uncaptured side by side on a GPU and compares the weights byte for byte.
 
 Where a whole step cannot be one graph, the model's forward and backward are captured instead (torch.compile
 mode="reduce-overhead", the compiled graphs' own CUDA graphs), said in one line: several processes (DDP's all-reduce
 between backward and step), gradient accumulation (a window's micro-batches are different Python paths), fp16 (the
 grad scaler reads on the host whether to skip a step), a recipe that does not give its step to run_step (HRM: two
-optimizers and a carry; DCRNN: a teacher-forcing schedule read on the host).
+optimizers, one of them AdamATan2 with its Python step count, and a carry).
 """
 
 from __future__ import annotations
