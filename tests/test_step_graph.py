@@ -139,8 +139,14 @@ def test_an_optimizer_with_python_state_is_never_captured():
     # AdamATan2 counts its steps in a Python float: a replay would repeat the captured step's bias correction
     from toolkit.models.hrm import AdamATan2
 
-    weight = torch.nn.Parameter(torch.ones(2))
-    optimizer = AdamATan2([weight], lr=0.1)
+    graph, lines, calls = _run_steps(AdamATan2, {"x": torch.zeros(2)}, WARMUP + 4)
+    assert calls == WARMUP + 4 and graph.steps_replayed == 0 and not graph.enabled
+    assert len(lines) == 1 and "AdamATan2 keeps Python state" in lines[0] and "runs uncaptured" in lines[0]
+
+
+def _run_steps(optimizer_class, batch: dict, steps: int) -> tuple[StepGraph, list[str], int]:
+    """An enabled StepGraph run `steps` times on a step that only steps an optimizer_class: (graph, lines, calls)."""
+    optimizer = optimizer_class([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     lines, calls = [], []
     graph = StepGraph(enabled=True, say=lines.append)
 
@@ -148,10 +154,9 @@ def test_an_optimizer_with_python_state_is_never_captured():
         calls.append(1)
         graph.saw_optimizer(optimizer)
 
-    for _ in range(WARMUP + 4):
-        graph.run(step, {"x": torch.zeros(2)})
-    assert len(calls) == WARMUP + 4 and graph.steps_replayed == 0 and not graph.enabled
-    assert len(lines) == 1 and "AdamATan2 keeps Python state" in lines[0] and "runs uncaptured" in lines[0]
+    for _ in range(steps):
+        graph.run(step, batch)
+    return graph, lines, len(calls)
 
 
 class OpStream(TorchDispatchMode):
@@ -232,16 +237,6 @@ def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_step
 
 def test_a_batch_with_a_host_tensor_is_never_captured():
     # (a host tensor's value enters a CUDA kernel as an argument when it is launched: a replay would repeat it)
-    weight = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.Adam([weight], lr=0.1)
-    lines, calls = [], []
-    graph = StepGraph(enabled=True, say=lines.append)
-
-    def step(batch):
-        calls.append(1)
-        graph.saw_optimizer(optimizer)
-
-    for _ in range(WARMUP + 3):
-        graph.run(step, {"x": torch.zeros(2), "n": 3})
-    assert len(calls) == WARMUP + 3 and graph.steps_replayed == 0 and not graph.enabled
+    graph, lines, calls = _run_steps(torch.optim.Adam, {"x": torch.zeros(2), "n": 3}, WARMUP + 3)
+    assert calls == WARMUP + 3 and graph.steps_replayed == 0 and not graph.enabled
     assert lines == ["--cuda-graphs: the step is not captured: the batch's x is not on the GPU; it runs uncaptured"]
