@@ -13,8 +13,8 @@ A recipe gives its step as a function of the batch and the loop runs it (UFS, SA
         loop.run_step(train_step, batch)
 
 Without --cuda-graphs (and on CPU) run_step calls the function: nothing else changes. With it:
-- the first WARMUP + 1 steps of each life run uncaptured (the optimizer makes its state, cuBLAS its workspaces; a resumed
-  run loads its checkpoint before any capture, so the graph holds the loaded tensors);
+- the first WARMUP + 1 steps of each life run uncaptured (the optimizer makes its state, cuBLAS its workspaces; a
+  resumed run loads its checkpoint before any capture, so the graph holds the loaded tensors);
 - then the step is captured on a copy of the batch (static inputs) and replayed: each later batch is copied into
   those tensors (one copy per tensor, on the device) and the graph replays. The loop's deferred parts run after each
   replay, on the host: the scheduler's step (its new learning rate) and the loss's record (a copy: the next replay
