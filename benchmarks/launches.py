@@ -17,11 +17,11 @@ DataLoader's own work on the host (its sampler and collate); batches cut on the 
 
 Prints a table by op (count per step, most first; syncs marked), then `syncs/step = X` and `kernels/step = Y` last.
 On CPU the counts are those a GPU would see: where the tensors live does not change which ops run, with two
-exceptions. SASRec's loss is counted on CUDA's path (every position scored, the padding zeroed; a CPU scores the
-targets alone). DCRNN's `--sequence-kernel auto` takes the fused kernel on CUDA and the cells on CPU, so for dcrnn this
-counts `--sequence-kernel fused` with its diffusion operators dense (the path a CUDA run takes; on CPU they are sparse
-CSR products, as many) unless the recipe's flags after -- name a kernel; the CPU's path: `--recipe dcrnn --
---sequence-kernel cells`. A line before the totals says which was counted.
+exceptions. SASRec's `--loss ce` scores the targets' positions alone on a CPU, every position on a GPU (the default
+BCE is the same on both). DCRNN's `--sequence-kernel auto` takes the fused kernel on CUDA and the cells on CPU, so
+for dcrnn this counts `--sequence-kernel fused` with its diffusion operators dense (the path a CUDA run takes; on
+CPU they are sparse CSR products, as many) unless the recipe's flags after -- name a kernel; the CPU's path:
+`--recipe dcrnn -- --sequence-kernel cells`. A line before the totals says which was counted.
 
     python benchmarks/launches.py --recipe dcrnn --cpu-time 8    # DCRNN's two sequence kernels timed on this CPU
 
@@ -122,8 +122,7 @@ def load_recipe(recipe: str):
 
 
 def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None,
-          where: str | None = None, prepare=None) -> tuple[dict, int]:
-    """prepare(module): called on the loaded recipe module before its main() runs (to pick the CUDA run's path)."""
+          where: str | None = None) -> tuple[dict, int]:
     from toolkit import device_data, loop
 
     counter = OpCounter(where)
@@ -170,10 +169,7 @@ def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Pat
         # one step past the window: the last step's own read (the run's end) is not the steady state
         argv = [*generated_data(recipe, Path(tmp)), "--max-steps", str(last + 1), "--output-dir", f"{tmp}/run",
                 "--log-with", "none", "--checkpoint-every", "0", *cache, *extra]
-        module = load_recipe(recipe)
-        if prepare is not None:
-            prepare(module)
-        main = module.main
+        main = load_recipe(recipe).main
         with counter:
             main(argv)
     for caller, n in counter.callers.most_common(8):
@@ -277,14 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             "CPU's path: -- --sequence-kernel cells)" if kernel == "fused" else
             " (the path a CPU run takes with auto; a CUDA run's: --sequence-kernel fused)" if kernel == "cells"
             else ""))
-    prepare = None
-    if args.recipe == "sasrec":  # its loss takes another path on CUDA: count that one
-        def prepare(module):
-            module.SCORE_EVERY_POSITION_ON = ("cuda", "cpu")
-
-        kernel_line = ("sasrec: its loss counted on the path a CUDA run takes (every position scored, the padding's "
-                       "terms zeroed; a CPU run scores the targets' positions alone)")
-    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where, prepare)
+    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where)
     syncs, kernels = report(ops, steps)
     from toolkit.precision import cpu_kind
 

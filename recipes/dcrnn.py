@@ -105,8 +105,7 @@ class DCRNNConfig(TrainConfig):
     a DCGRU cell step at a time under autograd; `auto`, fused on CUDA and cells on CPU (where the cells are faster)
     and under --compile (which traces the cells). A resume keeps the run's value."""
 
-    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
-        return None
+    captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.

@@ -104,8 +104,7 @@ class SASRecConfig(TrainConfig):
     lr: float = 1e-3
     eval_every: int = 10
 
-    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
-        return None
+    captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
@@ -134,7 +133,7 @@ def check(cfg: SASRecConfig) -> None:
         raise UsageError(f"--warmup-steps {cfg.warmup_steps} is invalid; it must be >= 0 (0 = no warm-up)")
 
 
-SCORE_EVERY_POSITION_ON = ("cuda",)  # next_item_loss: the device types whose loss zeroes the padding (no boolean index)
+SCORE_EVERY_POSITION_ON = ("cuda",)  # next_item_loss: the device types whose CE scores the padding too (no index)
 
 
 def next_item_loss(
@@ -142,21 +141,17 @@ def next_item_loss(
 ):
     """The objective trained on: per target (0 = padding, left out) BCE vs its negative, or CE over all items (None)."""
     positions = targets > 0
-    # On a GPU every position is scored and the padding's terms zeroed: a boolean index reads its size on the host (a
-    # sync, which a captured step cannot hold). On a CPU only the targets' positions are scored: at maxlen 200 most
-    # positions are padding, and scoring them cost 5% of a step (the embedding gathers)
-    keep_all = hidden.device.type in SCORE_EVERY_POSITION_ON
+    # Every position scored and the padding's terms zeroed, not the targets picked by a boolean index: that reads its
+    # size on the host (a sync on a GPU, which a captured step cannot hold). BCE's two dot products a position cost
+    # the same either way on a CPU; CE's product with every item does not (at maxlen 200, mostly padding: 953 against
+    # 530 ms a step), so on a CPU CE scores the targets' positions alone
     if negatives is not None:
-        candidates = torch.stack([targets, negatives], dim=-1)  # [B, L, 2]
-        if not keep_all:
-            hidden, candidates = hidden[positions], candidates[positions]
-        logits = scorer.score_items(hidden, candidates)
+        logits = scorer.score_items(hidden, torch.stack([targets, negatives], dim=-1))  # [B, L, 2]
         labels = torch.zeros_like(logits)
         labels[..., 0] = 1.0
         per_item = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none").sum(dim=-1)
-        if keep_all:
-            per_item = per_item.masked_fill(~positions, 0.0)
-    elif keep_all:  # the padding's targets (0) ignored: their terms are 0
+        per_item = per_item.masked_fill(~positions, 0.0)
+    elif hidden.device.type in SCORE_EVERY_POSITION_ON:  # the padding's targets (0) ignored: their terms are 0
         logits = scorer.score_all(hidden).float()
         logits[..., 0] = float("-inf")  # padding is never a prediction
         per_item = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=0)

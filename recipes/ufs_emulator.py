@@ -158,8 +158,7 @@ class UfsConfig(TrainConfig):
     batch_size: int = 1000
     lr: float = 1e-4
 
-    def whole_step_refusal(self) -> str | None:  # its step runs through loop.run_step (--cuda-graphs: one graph)
-        return None
+    captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
 # --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.

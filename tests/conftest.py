@@ -69,6 +69,17 @@ def recipe_script(recipe: str) -> str:
     return recipe if recipe.endswith(".py") else str(ROOT / "recipes" / f"{recipe}.py")
 
 
+def load_recipe(recipe: str, module_name: str):
+    """recipes/<recipe>.py (or a script path) imported as the module `module_name`, its main() not run; registered in
+    sys.modules, where its dataclasses look their module up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, recipe_script(recipe))
+    module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
 

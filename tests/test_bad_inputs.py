@@ -1,16 +1,14 @@
 """Bad input: one `error:` line naming the flag/path/value, exit status 2, nothing trained or written."""
 
 import dataclasses
-import importlib.util
 import shutil
-import sys
 import types
 import typing
 from pathlib import Path
 
 import pytest
 import tyro
-from conftest import ROOT, TINY, assert_refused, run_recipe
+from conftest import TINY, assert_refused, load_recipe, run_recipe
 
 from toolkit import checkpoint
 
@@ -168,9 +166,7 @@ def _takes_a_checkable_value(hint) -> bool:
 def _flags_of(recipe: str) -> dict[str, bool]:
     """{--flag: whether it takes a path, number or choice} for recipes/<recipe>.py's config dataclass (TrainConfig's
     shared flags included), and its --preset NAME (a choice, not a field)."""
-    spec = importlib.util.spec_from_file_location(f"_{recipe}_recipe", ROOT / "recipes" / f"{recipe}.py")
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # dataclasses look it up
-    spec.loader.exec_module(module)
+    module = load_recipe(recipe, f"_{recipe}_recipe")
     config_class = type(next(iter(module.PRESETS.values()))[1])
     hints = typing.get_type_hints(config_class, include_extras=True)
     flags = {

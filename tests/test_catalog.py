@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
-from tests.conftest import ROOT, recipe_env
+from tests.conftest import ROOT, load_recipe, recipe_env
 
 RECIPES = ("dcrnn", "hrm", "sasrec", "template", "ufs_emulator")
 
@@ -23,9 +22,7 @@ def test_ls_lists_every_recipe_and_preset_as_the_recipes_declare_them():
     listed = [line.split()[0] for line in lines if line and not line.startswith((" ", "run one"))]
     assert listed == list(RECIPES)
     for name in RECIPES:
-        spec = importlib.util.spec_from_file_location(f"_catalog_{name}", ROOT / "recipes" / f"{name}.py")
-        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_recipe(name, f"_catalog_{name}")
         block = lines[lines.index(next(line for line in lines if line.startswith(f"{name} "))):]
         summary = " ".join(module.__doc__.split("\n\n")[0].split())
         assert block[0].split(None, 1)[1] == summary

@@ -9,16 +9,14 @@ the targets are normalised wrongly. The recipes' losses are module-level functio
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 from accelerate import Accelerator
-from conftest import recipe_script
+from conftest import load_recipe
 
 from toolkit.data.traffic import Scaler
 from toolkit.data.ufs import load_patterns
@@ -30,11 +28,7 @@ from toolkit.models.ufs_emulator import UfsEmulator
 @functools.cache
 def recipe(name: str):
     """recipes/<name>.py imported as a module (its main() is not run)."""
-    spec = importlib.util.spec_from_file_location(f"objectives_test_{name}", recipe_script(name))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, f"objectives_test_{name}")
 
 
 @pytest.fixture(scope="module")

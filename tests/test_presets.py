@@ -5,13 +5,11 @@ line naming the valid ones; any flag overrides the preset's value; config.json r
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
-import sys
 
 import pytest
-from conftest import ROOT, assert_refused, recipe_script, run_preloaded
+from conftest import ROOT, assert_refused, load_recipe, run_preloaded
 
 from toolkit.config import CHECK_ARGS, parse_config
 from toolkit.run import _config_values
@@ -32,9 +30,7 @@ def recipes() -> dict[str, dict]:
     hints through sys.modules)."""
     modules = {}
     for name in RECIPES:
-        spec = importlib.util.spec_from_file_location(f"presets_test_{name}", recipe_script(name))
-        modules[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[name])
+        modules[name] = load_recipe(name, f"presets_test_{name}")
     return {name: vars(module) for name, module in modules.items()}
 
 

@@ -12,15 +12,13 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DATA_CACHE, TINY, TOY, recipe_script, run_recipe
+from tests.conftest import DATA_CACHE, TINY, TOY, load_recipe, run_recipe
 from toolkit.errors import UsageError
 from toolkit.run import RESUMABLE_CHANGES, _config_values, _previous_config
 
@@ -50,9 +48,7 @@ RESUME_CHANGES = {
 
 
 def config_class(recipe: str) -> type:
-    spec = importlib.util.spec_from_file_location(f"_resume_rule_{Path(recipe).stem}", recipe_script(recipe))
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_recipe(recipe, f"_resume_rule_{Path(recipe).stem}")
     classes = {v for v in vars(module).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
                and v.__module__ == module.__name__ and any(b.__name__ == "TrainConfig" for b in v.__mro__)}
     assert len(classes) == 1, (recipe, classes)

@@ -6,12 +6,9 @@ uncaptured side by side on a GPU and compares the weights byte for byte."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
-from conftest import ROOT
+from conftest import load_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import randomness
@@ -186,26 +183,18 @@ def _described(value):
     return type(value).__name__
 
 
-def _load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}_streams", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("recipe", ["ufs_emulator", "sasrec", "sasrec --loss ce", "dcrnn"])
 def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_steps(recipe, tmp_path, monkeypatch,
                                                                                     movielens_cache, synth_data):
     # What --cuda-graphs replays is what the capture recorded: the ops and their Python arguments. Every step of the
     # recipes that capture their whole step, across an epoch's end, must dispatch the same ops with the same Python
-    # values (the epoch, the seed, the learning rate ...), only the tensors' contents differing. SASRec on the CPU
-    # picks its targets by a boolean index (a shape per batch): its GPU path, every position scored, is the one
+    # values (the epoch, the seed, the learning rate ...), only the tensors' contents differing. SASRec's CE on the
+    # CPU picks its targets by a boolean index (a shape per batch): its GPU path, every position scored, is the one
     # checked here.
     from toolkit import loop as loop_module
 
     recipe, *recipe_flags = recipe.split()
-    module = _load_recipe(recipe)
+    module = load_recipe(recipe, f"recipe_{recipe}_streams")
     streams, epochs = [], []
 
     def recording_run(self, step, batch):

@@ -8,16 +8,14 @@ preset follows c710abb; the flags a team's domain fixes are refused in one line 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
 from accelerate import Accelerator
-from conftest import recipe_script
+from conftest import load_recipe
 
 from toolkit.data.ufs import CICE_NAMES, DEFAULT_INPUTS, load_patterns, open_fields, select_patterns, synthesize
 from toolkit.data.ufs_domains import DOMAINS
@@ -231,10 +229,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("ufs_domains_recipe", recipe_script("ufs_emulator"))
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("ufs_emulator", "ufs_domains_recipe")
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

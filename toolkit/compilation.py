@@ -102,7 +102,7 @@ def first_step_reporter(run):
     """For --compile and --cuda-graphs: a callable the training loop gives the first optimizer step's compute
     seconds; it prints the line(s) (main process) and returns None, so the loop calls it once per life. None
     without either flag."""
-    if not (run.config.compile or (run.config.cuda_graphs and not run.whole_step_graphs)):
+    if not (run.config.compile or run.model_graphs):
         return None  # (a whole captured step compiles nothing without --compile: toolkit.step_graph says its own line)
 
     def report(seconds: float) -> None:
@@ -112,7 +112,7 @@ def first_step_reporter(run):
             where = os.environ.get(_ENV) or "?"  # set by Run.begin, after the loop was made
             shown = run.output_dir / CACHE_DIR if os.path.realpath(where) == _chosen else where  # the path as given
             tqdm.write(describe_first_step(seconds, shown))  # between progress-bar redraws
-            if run.config.cuda_graphs and not run.whole_step_graphs and (uncaptured := describe_capture()):
+            if run.model_graphs and (uncaptured := describe_capture()):
                 tqdm.write(uncaptured)
             sys.stdout.flush()
 
@@ -123,8 +123,7 @@ def step_marker(run):
     """--cuda-graphs: torch.compiler.cudagraph_mark_step_begin, for the loop to call before each micro-batch (a new
     iteration: the graphs' outputs of the previous one may be overwritten; the loop's losses are copies). None
     without the flag."""
-    compiled_graphs = run.config.cuda_graphs and not run.whole_step_graphs
-    return torch.compiler.cudagraph_mark_step_begin if compiled_graphs else None
+    return torch.compiler.cudagraph_mark_step_begin if run.model_graphs else None
 
 
 class CompilingAccelerator(ToolkitAccelerator):

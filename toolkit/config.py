@@ -103,10 +103,9 @@ class TrainConfig:
     """Stop the run (one line, like a non-finite loss) when a step's training loss exceeds this many times the first
     step's: a loss that explodes (e.g. --lr far too high) is not trained on. 0 = off."""
 
-    def whole_step_refusal(self) -> str | None:
-        """Why --cuda-graphs cannot capture this recipe's whole training step as one CUDA graph, or None where it can
-        (a recipe whose step runs through loop.run_step, keyed on tensors only: toolkit.step_graph)."""
-        return "this recipe does not give its step to loop.run_step"
+    # Not a flag (no annotation): True in a recipe whose step runs through loop.run_step, keyed on tensors only,
+    # which --cuda-graphs captures whole (toolkit.step_graph)
+    captures_whole_step = False
 
 
 ConfigT = TypeVar("ConfigT", bound=TrainConfig)

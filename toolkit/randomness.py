@@ -36,8 +36,7 @@ def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     hashed = 0x9E3779B9  # a Python int until the first tensor key: scalar keys cost no kernel and no host-to-device
     for key in keys:     # copy (which a captured CUDA step cannot hold); the same arithmetic, bit for bit
         if isinstance(key, torch.Tensor):
-            key = key.to(torch.int64) if key.dim() == 0 and key.device.type == "cpu" else \
-                key.to(device=device, dtype=torch.int64)
+            key = key.to(device=device, dtype=torch.int64)
         hashed = _mix32(hashed ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
     return hashed if isinstance(hashed, torch.Tensor) else torch.tensor(hashed, dtype=torch.int64, device=device)
 

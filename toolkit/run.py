@@ -118,6 +118,12 @@ class Run:
             shutdown.end_process_group(self.accelerator)
 
     @property
+    def model_graphs(self) -> bool:
+        """--cuda-graphs capturing the compiled model's forward and backward (torch.compile mode="reduce-overhead"),
+        where the whole step cannot be one graph."""
+        return self.config.cuda_graphs and not self.whole_step_graphs
+
+    @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 

@@ -53,8 +53,8 @@ WARMUP = 3  # uncaptured steps before a capture (torch's docs warm up a few iter
 
 def whole_step_refusal(config, *, num_processes: int, mixed_precision: str) -> str | None:
     """None when --cuda-graphs can capture the whole step; else why not (the run captures the model's graphs)."""
-    if recipe_refusal := config.whole_step_refusal():
-        return recipe_refusal
+    if not config.captures_whole_step:
+        return "this recipe does not give its step to loop.run_step"
     if num_processes > 1:
         return f"{num_processes} processes (DDP's gradient all-reduce runs between the backward and the step)"
     if config.grad_accum > 1:
@@ -102,7 +102,7 @@ class StepGraph:
         self.steps_replayed = 0
 
     def saw_optimizer(self, optimizer) -> None:
-        if optimizer not in self.optimizers:
+        if self.enabled and optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
 
     def defer(self, action: Callable[[], None]) -> None:
