@@ -197,6 +197,29 @@ def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves
     assert torch.equal(without, with_gradient.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rotary_rotates_q_and_k_side_by_side_as_the_reference_rotates_each(dtype):
+    """Rotary rotates q's and k's heads as they lie in qkv's rows (tables repeated over the heads, halves swapped by a
+    cat): bit for bit the reference's q cos + rotate_half(q) sin per head (float32 tables; bfloat16 cast back), with
+    and without gradient, rows strided as in qkv."""
+    batch, length, heads, head_dim = 3, CELLS + 1, 2, 8
+    rotary = hrm_module.Rotary(head_dim, length, heads)
+    qkv = torch.randn(batch, length, 3 * heads * head_dim).to(dtype)
+    qk = qkv[..., :2 * heads * head_dim]
+    kept = qk.clone()
+    angles = torch.outer(torch.arange(length, dtype=torch.float32),
+                         1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    x = qk.unflatten(-1, (2 * heads, head_dim)).float()
+    halves = (x[..., head_dim // 2:], x[..., :head_dim // 2])
+    want = (x * cos.unsqueeze(-2) + torch.cat([-halves[0], halves[1]], -1) * sin.unsqueeze(-2)).to(dtype)
+    with torch.no_grad():
+        without = rotary(qk)
+    with_gradient = rotary(qk.clone().requires_grad_())
+    assert without.dtype == dtype and torch.equal(qk, kept)
+    assert torch.equal(without, want.flatten(-2)) and torch.equal(with_gradient.detach(), want.flatten(-2))
+
+
 def test_rms_norm_gradient_is_autograd_s_of_its_formula():
     """rms_norm's written-out gradient, r (g - y mean(g y)), against autograd through the formula, in float64; and
     bfloat16 in, bfloat16 out (normalised in float32), with a gradient."""
