@@ -39,7 +39,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, compilation, extras, openmp, orphans, precision, preemption, shutdown, step_graph
+from toolkit import checkpoint, compilation, extras, heap, openmp, orphans, precision, preemption, shutdown, step_graph
 from toolkit.accelerator import ToolkitAccelerator
 from toolkit.config import RESUMABLE_CHANGES, TrainConfig, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
 from toolkit.console import write_line
@@ -198,6 +198,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     accelerator_kwargs: further Accelerator(...) arguments.
     """
     orphans.stop_when_launcher_dies()
+    heap.keep_between_steps()  # freed memory stays for the next step (toolkit.heap), before the data is made
     use_cpu = runs_on_cpu()  # also honours a CPU launch config on a GPU machine
     timeout = timedelta(seconds=config.dist_timeout)
     if config.deterministic:  # cuBLAS needs this before CUDA starts, or use_deterministic_algorithms raises

@@ -39,9 +39,16 @@ the same ones in the same order on both sides, each in the dtypes its code reads
 Halting decides which rows restart, never how much is computed: every step runs the whole batch on both sides.
 
 Rounds: each runs --steps steps of each side, the order reversed every other round; one untimed step of each
-first (first-call allocations). Per round, each side's mean seconds per step and the ratio; then the medians, and
-the ratio (median of the rounds' ratios) as the last line. --threads sets torch's intra-op threads (1: the cpu
-preset's).
+first (first-call allocations).
+
+Processes (--processes): `one` (the default) runs both sides in this process, on glibc's default heap: the model
+code's time alone. `two` runs each side in a process of its own, every round (this script with --side): ours with
+the heap a run of the toolkit keeps (toolkit.heap, set by start_run: freed memory stays for the next step), the
+reference's as its pretrain.py has it (glibc's default, which returns a step's memory to the system and faults it
+back in the next): each side as its own program runs.
+
+Per round, each side's mean seconds per step and the ratio; then the medians, and the ratio (median of the rounds'
+ratios) as the last line. --threads sets torch's intra-op threads (1: the cpu preset's).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -205,6 +213,16 @@ def timed(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def in_own_process(side: str, args: argparse.Namespace, root: Path) -> float:
+    """Mean seconds per step of `side`, timed by this script in a process of its own (--processes two)."""
+    command = [sys.executable, __file__, "--reference", str(root), "--steps", str(args.steps), "--threads",
+               str(args.threads), "--preset-sizes", args.preset_sizes, "--seed", str(args.seed), "--side", side]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the {side} side's process failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = usage_error  # a bad flag is one `error:` line, exit 2, like every other refusal here
@@ -215,6 +233,10 @@ def main() -> None:
     parser.add_argument("--preset-sizes", choices=sorted(SIZES), default="cpu-small",
                         help="recipes/hrm.py preset whose sizes both sides train at")
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and exploration")
+    parser.add_argument("--processes", choices=("one", "two"), default="one",
+                        help="one: both sides in this process (glibc's default heap); two: each in its own process, "
+                             "ours with the heap a toolkit run keeps (toolkit.heap)")
+    parser.add_argument("--side", choices=("ours", "reference"), help=argparse.SUPPRESS)  # --processes two's child
     args = parser.parse_args()
     root = require_checkout(args.reference, MODEL_FILE, REPOSITORY)
     for name in ("steps", "rounds", "threads"):
@@ -229,21 +251,36 @@ def main() -> None:
     sizes = SIZES[args.preset_sizes]
     ours_batches, reference_batches = make_batches(sizes["batch"], args.seed)
     torch.manual_seed(args.seed)  # both sides' initial weights; the reference's exploration draws
+    if args.side:  # a child of --processes two: one side, its heap as its program has it, one timed stretch
+        if args.side == "ours":
+            from toolkit import heap
+
+            heap.keep_between_steps()
+        step = (our_side(sizes, ours_batches, args.seed) if args.side == "ours"
+                else reference_side(reference, sizes, reference_batches))
+        step()
+        print(f"seconds per step {timed(step, args.steps)!r}")
+        return
     sides = {"ours": our_side(sizes, ours_batches, args.seed),
              "reference": reference_side(reference, sizes, reference_batches)}
+    heaps = ("both sides in this process, glibc's default heap" if args.processes == "one" else
+             "each side in its own process: ours with the heap kept between steps (toolkit.heap, as a toolkit run), "
+             "the reference's glibc's default")
     print(
         f"HRM {args.preset_sizes} sizes {sizes}, fp32, {args.steps} step(s) of each per round, {args.rounds} "
         f"round(s), {args.threads} thread(s); reference {root} with SDPA in place of FlashAttention and our "
-        "AdamATan2 for both",
+        f"AdamATan2 for both; {heaps}",
         flush=True,
     )
-    for step in sides.values():  # first-call allocations and lazy initialisation, not timed
-        step()
+    if args.processes == "one":
+        for step in sides.values():  # first-call allocations and lazy initialisation, not timed
+            step()
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     for index in range(args.rounds):
         for name in names if index % 2 == 0 else names[::-1]:
-            seconds[name].append(timed(sides[name], args.steps))
+            seconds[name].append(timed(sides[name], args.steps) if args.processes == "one" else
+                                 in_own_process(name, args, root))
         ours, theirs = seconds["ours"][-1], seconds["reference"][-1]
         print(f"round {index + 1}/{args.rounds}: ours {ours * 1e3:.1f} ms/step, reference {theirs * 1e3:.1f} "
               f"ms/step; reference/ours = {theirs / ours:.2f}x", flush=True)
