@@ -32,11 +32,13 @@ def test_missing_reference_checkout_is_one_line_saying_where_to_get_it(script, c
 
 
 @pytest.mark.skipif(not os.environ.get("HRM_REFERENCE"), reason="HRM_REFERENCE: a checkout of sapientinc/HRM")
-def test_hrm_reference_one_step_each(tmp_path):
-    """With a checkout (HRM_REFERENCE=PATH), one timed step of each side at cpu-small sizes ends with the ratio."""
+@pytest.mark.parametrize("processes", ["one", "two"])
+def test_hrm_reference_one_step_each(tmp_path, processes):
+    """With a checkout (HRM_REFERENCE=PATH), one timed step of each side at cpu-small sizes ends with the ratio, both
+    sides in one process or each in its own."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "references" / "hrm.py"), "--reference",
-         os.environ["HRM_REFERENCE"], "--steps", "1", "--rounds", "1"],
+         os.environ["HRM_REFERENCE"], "--steps", "1", "--rounds", "1", "--processes", processes],
         capture_output=True,
         text=True,
         timeout=120,
