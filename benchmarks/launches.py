@@ -3,6 +3,7 @@
     python benchmarks/launches.py --recipe ufs_emulator     # each recipe at its default preset
     python benchmarks/launches.py --recipe sasrec --steps 40 --warmup 5
     python benchmarks/launches.py --recipe hrm -- --batch-size 32      # flags after -- go to the recipe
+    python benchmarks/launches.py --recipe ufs_emulator --outside-step  # what stays around a --cuda-graphs replay
 
 The recipe's own main() runs in this process (TrainingLoop, Accelerator, the recipe's step, everything it does per
 step) on generated data (SASRec: MovieLens-100K from --cache-dir), for --warmup + --steps optimizer steps. Over the
@@ -122,7 +123,7 @@ def load_recipe(recipe: str):
 
 
 def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None,
-          where: str | None = None) -> tuple[dict, int]:
+          where: str | None = None, outside_step: bool = False) -> tuple[dict, int]:
     from toolkit import device_data, loop
 
     counter = OpCounter(where)
@@ -160,6 +161,8 @@ def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Pat
         return batches if hasattr(loader, "skip_first") else PausedFetch(batches)
 
     loop.rest_of_epoch = fetch
+    if outside_step:  # the recipe's step (what --cuda-graphs replays as one graph) not counted
+        loop.TrainingLoop.run_step = paused(loop.TrainingLoop.run_step)
     device_data.DeviceBatches.epoch_order = paused(device_data.DeviceBatches.epoch_order)  # the sampler, on the host
     loop.AFTER_STEP_HOOKS.append(window)
     for name in ("_validate", "save", "end_epoch"):  # each reads the unread losses first: its own cost
@@ -244,11 +247,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--where", default=None, metavar="OP",
                         help="also print where the project's code dispatches OP (e.g. _local_scalar_dense, .tolist())")
     parser.add_argument("--cache-dir", type=Path, default=None, help="the recipe's --cache-dir (default: its own)")
+    parser.add_argument("--outside-step", action="store_true",
+                        help="count only what runs outside the recipe's step (loop.run_step): what a --cuda-graphs "
+                             "run still launches around each replay (ufs_emulator, sasrec, dcrnn)")
     parser.add_argument("--cpu-time", type=int, default=0, metavar="ROUNDS",
                         help="dcrnn: instead of counting, time both sequence kernels' training step on this CPU")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1")
+    if args.outside_step and args.recipe == "hrm":
+        parser.error("--outside-step: hrm does not give its step to loop.run_step (--cuda-graphs keeps the model's "
+                     "graphs there); give ufs_emulator, sasrec or dcrnn")
     if args.cpu_time:
         if args.recipe != "dcrnn" or args.cpu_time < 1:
             parser.error("--cpu-time ROUNDS (>= 1) times DCRNN's sequence kernels: give it with --recipe dcrnn")
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             "CPU's path: -- --sequence-kernel cells)" if kernel == "fused" else
             " (the path a CPU run takes with auto; a CUDA run's: --sequence-kernel fused)" if kernel == "cells"
             else ""))
-    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where)
+    ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where, args.outside_step)
     syncs, kernels = report(ops, steps)
     from toolkit.precision import cpu_kind
 
@@ -281,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
           f"CPU: {cpu_kind()}")
     if kernel_line:
         print(kernel_line)
+    if args.outside_step:
+        print("outside the step only (loop.run_step not counted): a --cuda-graphs run launches these around each "
+              "replay, plus one copy per batch tensor into the graph's static inputs and the replay itself")
     print(f"syncs/step = {syncs:.3f}")
     print(f"kernels/step = {kernels:.1f}")
 
