@@ -202,6 +202,15 @@ MUTATIONS = [
              "    hashed = 0x9E3779B9  # a Python int", "    hashed = 0x9E3779B8  # a Python int",
              ("tests/test_randomness.py",),
              "Python-int keys folded on the host no longer give the tensor hash's values"),
+    Mutation("rotary-swaps-halves-the-wrong-way", "toolkit/models/hrm.py",
+             "return torch.cat([halves[..., 1:, :], halves[..., :1, :]], dim=-2).flatten(-3)",
+             "return torch.cat([halves[..., :1, :], halves[..., 1:, :]], dim=-2).flatten(-3)",
+             ("tests/test_hrm_model.py",),
+             "the rotation along rows no longer swaps each head's halves: not the reference's rotate_half"),
+    Mutation("heap-not-kept", "toolkit/heap.py",
+             "        if user_choice() is None:", "        if user_choice() is not None:",
+             ("tests/test_heap.py",),
+             "glibc's thresholds never set: every step maps its large tensors afresh"),
 ]
 
 
