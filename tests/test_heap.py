@@ -34,8 +34,14 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 def probe(mode: str, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in heap.USER_SETTINGS and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -48,8 +54,9 @@ def test_a_kept_heap_takes_a_freed_block_again_without_page_faults():
     assert max(kept["faults"][4:]) < 500
 
 
-@pytest.mark.parametrize("setting", [{"MALLOC_MMAP_THRESHOLD_": "131072"},
-                                     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+@pytest.mark.parametrize(
+    "setting", [{"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}]
+)
 def test_the_user_s_own_glibc_settings_are_kept(setting):
     chosen = probe("keep", **setting)
     assert chosen["kept"] is False and min(chosen["faults"][4:]) > 8_000

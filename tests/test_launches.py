@@ -14,8 +14,13 @@ SCRIPT = ROOT / "benchmarks" / "launches.py"
 
 
 def kernels(*flags: str) -> float:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--recipe", "ufs_emulator", "--warmup", "2", "--steps", "4",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--recipe", "ufs_emulator", "--warmup", "2", "--steps", "4", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert re.fullmatch(r"syncs/step = [\d.]+", lines[-2])
@@ -28,7 +33,12 @@ def test_outside_the_step_counts_the_batch_cut_alone():
 
 
 def test_outside_the_step_of_hrm_is_refused_in_one_line():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--recipe", "hrm", "--outside-step"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--recipe", "hrm", "--outside-step"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1].endswith("give ufs_emulator, sasrec or dcrnn")

@@ -54,5 +54,6 @@ def keep_between_steps() -> bool:
             except (OSError, AttributeError):
                 return False
             _kept = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
-                libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            )
     return _kept
