@@ -211,6 +211,10 @@ MUTATIONS = [
              "        if user_choice() is None:", "        if user_choice() is not None:",
              ("tests/test_heap.py",),
              "glibc's thresholds never set: every step maps its large tensors afresh"),
+    Mutation("start-run-forgets-the-heap", "toolkit/run.py",
+             "    heap.keep_between_steps()  # freed memory", "    pass  # heap.keep_between_steps()  # freed memory",
+             ("tests/test_heap.py",),
+             "a run's process keeps glibc's default heap: its steps fault their memory back in"),
 ]
 
 

@@ -53,7 +53,7 @@ def keep_between_steps() -> bool:
                 libc.gnu_get_libc_version  # noqa: B018  (glibc's own symbol: musl and others have none)
             except (OSError, AttributeError):
                 return False
-            _kept = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(
-                libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-            )
+            mapped = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # mallopt returns 1 where it took the value
+            trimmed = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            _kept = mapped == trimmed == 1
     return _kept

@@ -261,8 +261,12 @@ def main() -> None:
         step()
         print(f"seconds per step {timed(step, args.steps)!r}")
         return
-    sides = {"ours": our_side(sizes, ours_batches, args.seed),
-             "reference": reference_side(reference, sizes, reference_batches)}
+    names = ["ours", "reference"]
+    if args.processes == "one":
+        sides = {"ours": our_side(sizes, ours_batches, args.seed),
+                 "reference": reference_side(reference, sizes, reference_batches)}
+        for step in sides.values():  # first-call allocations and lazy initialisation, not timed
+            step()
     heaps = ("both sides in this process, glibc's default heap" if args.processes == "one" else
              "each side in its own process: ours with the heap kept between steps (toolkit.heap, as a toolkit run), "
              "the reference's glibc's default")
@@ -272,11 +276,7 @@ def main() -> None:
         f"AdamATan2 for both; {heaps}",
         flush=True,
     )
-    if args.processes == "one":
-        for step in sides.values():  # first-call allocations and lazy initialisation, not timed
-            step()
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    names = list(sides)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     for index in range(args.rounds):
         for name in names if index % 2 == 0 else names[::-1]:
             seconds[name].append(timed(sides[name], args.steps) if args.processes == "one" else

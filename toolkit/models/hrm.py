@@ -137,6 +137,11 @@ def swap_halves(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat([halves[..., 1:, :], halves[..., :1, :]], dim=-2).flatten(-3)
 
 
+def rotate_into_temporaries(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int):
+    """Rotary's sum without gradient, qk cos + swap_halves(qk) signed_sin, written over its own temporaries."""
+    return (qk * cos).add_(swap_halves(qk, head_dim).mul_(signed_sin))
+
+
 class Rotary(nn.Module):
     """x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) in each head. Computed as x cos + swap_halves(x)
     (-sin1, sin2): the same products (a negation is exact, on either factor), one cat in place of a negation, two
@@ -161,10 +166,9 @@ class Rotary(nn.Module):
     def forward(self, qk: torch.Tensor) -> torch.Tensor:  # qk [..., L, 2 x heads x head_dim]; rows may be strided
         # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
         dtype, qk = qk.dtype, qk.to(self.cos.dtype)
-        swapped = swap_halves(qk, self.head_dim)
         if torch.is_grad_enabled():
-            return (qk * self.cos + swapped * self.signed_sin).to(dtype)
-        return (qk * self.cos).add_(swapped.mul_(self.signed_sin)).to(dtype)  # the same sums, into the temporaries
+            return (qk * self.cos + swap_halves(qk, self.head_dim) * self.signed_sin).to(dtype)
+        return rotate_into_temporaries(qk, self.cos, self.signed_sin, self.head_dim).to(dtype)  # the same sums
 
 
 def _spend(ctx, what: str) -> None:
@@ -190,7 +194,7 @@ class _OneDNNAttention(torch.autograd.Function):
         qkv = onednn.product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
         if cos is not None:  # Rotary's sums, on q's and k's heads side by side
             qk = qkv.view(rows // length, length, -1)[..., :2 * hidden]
-            qk = (qk * cos).add_(swap_halves(qk, hidden // heads).mul_(signed_sin)).view(qkv[:, :, :2].shape)
+            qk = rotate_into_temporaries(qk, cos, signed_sin, hidden // heads).view(qkv[:, :, :2].shape)
             q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
         else:
             q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
