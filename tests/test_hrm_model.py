@@ -184,11 +184,16 @@ def test_the_target_q_segment_computes_the_first_position_as_the_whole_segment_d
 
 
 @pytest.mark.parametrize("positions", ["rope", "learned"])
-def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions):
-    """Without gradient a block writes its sums, norms, rotation and SwiGLU product over its own temporaries: the
-    same values, bit for bit, as the autograd path, and the state it was given unchanged."""
-    model = tiny_model(h_layers=2, positions=positions)
-    x = torch.randn(4, CELLS + 1, 16)
+@pytest.mark.parametrize("sizes", ["tiny", "onednn"])
+def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions, sizes):
+    """Without gradient a block writes its sums, norms, rotation and SwiGLU product over its own temporaries (at
+    oneDNN's sizes, gate and up as two products, silu and the product over gate): the same values, bit for bit, as
+    the autograd path (there, the oneDNN Functions), and the state it was given unchanged."""
+    hidden = 16 if sizes == "tiny" else 64  # 64: 16 x 82 rows by 64 by 512, 43M multiply-adds
+    if sizes == "onednn" and not onednn.available():
+        pytest.skip("this torch has no oneDNN")
+    model = tiny_model(h_layers=2, positions=positions, **({} if sizes == "tiny" else {"hidden": 64, "heads": 4}))
+    x = torch.randn(4 if sizes == "tiny" else 16, CELLS + 1, hidden)
     kept = x.clone()
     with torch.no_grad():
         without = model.h_level(x, x.flip(0), model.rotary)
@@ -206,7 +211,7 @@ def test_rotary_rotates_q_and_k_side_by_side_as_the_reference_rotates_each(dtype
     rotary = hrm_module.Rotary(head_dim, length, heads)
     qkv = torch.randn(batch, length, 3 * heads * head_dim).to(dtype)
     qk = qkv[..., :2 * heads * head_dim]
-    kept = qk.clone()
+    kept, kept_v = qk.clone(), qkv[..., 2 * heads * head_dim:].clone()
     angles = torch.outer(torch.arange(length, dtype=torch.float32),
                          1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -218,6 +223,10 @@ def test_rotary_rotates_q_and_k_side_by_side_as_the_reference_rotates_each(dtype
     with_gradient = rotary(qk.clone().requires_grad_())
     assert without.dtype == dtype and torch.equal(qk, kept)
     assert torch.equal(without, want.flatten(-2)) and torch.equal(with_gradient.detach(), want.flatten(-2))
+    if dtype == rotary.cos.dtype:  # in place, over a temporary in the tables' dtype (as Attention's qkv)
+        with torch.no_grad():
+            assert rotary.rotate_(qk) is qk
+        assert torch.equal(qk, want.flatten(-2)) and torch.equal(qkv[..., 2 * heads * head_dim:], kept_v)
 
 
 def test_rms_norm_gradient_is_autograd_s_of_its_formula():
@@ -288,6 +297,11 @@ def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_other
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    for rows, inputs, outputs in [(5248, 64, 512), (5248, 256, 64)]:  # HRM's, either side the wider
+        xs, gs = torch.randn(rows, inputs), torch.randn(rows, outputs)
+        weight_gradient = onednn.weight_gradient(xs, gs)
+        assert weight_gradient.shape == (outputs, inputs) and weight_gradient.is_contiguous()
+        torch.testing.assert_close(weight_gradient, gs.t() @ xs, rtol=1e-4, atol=1e-3)
     small = x[:, :4]  # 8 rows: 98k multiply-adds
     assert torch.equal(layer(small), torch.nn.functional.linear(small, layer.weight))
     assert torch.equal(layer.double()(x.double()), torch.nn.functional.linear(x.double(), layer.weight))

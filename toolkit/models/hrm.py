@@ -100,15 +100,19 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        r = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
-        y = x * r
+        squares = x.square()
+        r = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
+        y = torch.mul(x, r, out=squares)  # over the squares, read by now: one fresh tensor, not two
         ctx.save_for_backward(y, r)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         y, r = ctx.saved_tensors
-        return (g - y * (g * y).mean(-1, keepdim=True)) * r, None
+        # (g - y mean(g y)) r, each step written over g y, a temporary of its own (one fresh tensor, not four)
+        work = g * y
+        mean = work.mean(-1, keepdim=True)
+        return torch.sub(g, torch.mul(y, mean, out=work), out=work).mul_(r), None
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-5, inplace: bool = False) -> torch.Tensor:
@@ -118,8 +122,9 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-5, inplace: bool = False) -> torch
     x = x.to(at_least_float32(dtype))
     if torch.is_grad_enabled():
         return _RMSNorm.apply(x, eps).to(dtype)
-    r = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return (x.mul_(r) if inplace else x * r).to(dtype)
+    squares = x.square()
+    r = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x.mul_(r) if inplace else torch.mul(x, r, out=squares)).to(dtype)
 
 
 def _plus(temporary: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -137,9 +142,12 @@ def swap_halves(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat([halves[..., 1:, :], halves[..., :1, :]], dim=-2).flatten(-3)
 
 
-def rotate_into_temporaries(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int):
-    """Rotary's sum without gradient, qk cos + swap_halves(qk) signed_sin, written over its own temporaries."""
-    return (qk * cos).add_(swap_halves(qk, head_dim).mul_(signed_sin))
+def rotate_in_place(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotary's sum without gradient, qk cos + swap_halves(qk) signed_sin, written over qk (a temporary of the
+    caller's, in the tables' dtype; strided rows, as in qkv, are fine): one fresh tensor (the swapped halves) where a
+    new result would be a second, written to memory the cache no longer holds."""
+    swapped = swap_halves(qk, head_dim).mul_(signed_sin)
+    return qk.mul_(cos).add_(swapped)
 
 
 class Rotary(nn.Module):
@@ -168,7 +176,12 @@ class Rotary(nn.Module):
         dtype, qk = qk.dtype, qk.to(self.cos.dtype)
         if torch.is_grad_enabled():
             return (qk * self.cos + swap_halves(qk, self.head_dim) * self.signed_sin).to(dtype)
-        return rotate_into_temporaries(qk, self.cos, self.signed_sin, self.head_dim).to(dtype)  # the same sums
+        return rotate_in_place(qk.clone() if qk.dtype == dtype else qk, self.cos, self.signed_sin,
+                               self.head_dim).to(dtype)  # the same sums
+
+    def rotate_(self, qk: torch.Tensor) -> torch.Tensor:
+        """forward's rotation without gradient, written over qk (a temporary of the caller's in the tables' dtype)."""
+        return rotate_in_place(qk, self.cos, self.signed_sin, self.head_dim)
 
 
 def _spend(ctx, what: str) -> None:
@@ -193,11 +206,9 @@ class _OneDNNAttention(torch.autograd.Function):
         rows, hidden = x.shape
         qkv = onednn.product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
         if cos is not None:  # Rotary's sums, on q's and k's heads side by side
-            qk = qkv.view(rows // length, length, -1)[..., :2 * hidden]
-            qk = rotate_into_temporaries(qk, cos, signed_sin, hidden // heads).view(qkv[:, :, :2].shape)
-            q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
-        else:
-            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+            # Over q's and k's place in qkv: the backward reads them, rotated, and then writes their gradient there
+            rotate_in_place(qkv.view(rows // length, length, -1)[..., :2 * hidden], cos, signed_sin, hidden // heads)
+        q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
         v = qkv[:, :, 2].transpose(1, 2)
         attended, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
         ctx.save_for_backward(x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp)
@@ -214,16 +225,15 @@ class _OneDNNAttention(torch.autograd.Function):
         grad_attended = onednn.product(g, w_out.t()).view(attended.transpose(1, 2).shape).transpose(1, 2)
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_attended, q, k, qkv[:, :, 2].transpose(1, 2), attended, logsumexp, 0.0, False)
-        qkv[:, :, 2].copy_(grad_v.transpose(1, 2))  # qkv now takes its gradient: v's, then q's and k's
-        if cos is not None:
+        qkv[:, :, 2].copy_(grad_v.transpose(1, 2))  # qkv now takes its gradient: v's, q's and k's
+        qkv[:, :, 0].copy_(grad_q.transpose(1, 2))
+        qkv[:, :, 1].copy_(grad_k.transpose(1, 2))
+        if cos is not None:  # (qk cos)'s backward, plus (swapped qk sin)'s, swapped back: g cos + swap(g sin)
             batch, length, _, _, head_dim = qkv.shape
-            grads = torch.stack([grad_q.transpose(1, 2), grad_k.transpose(1, 2)], dim=2).view(batch, length, -1)
             grad_qk = qkv.view(batch, length, -1)[..., :2 * hidden]
-            torch.mul(grads, cos, out=grad_qk)  # (qk cos)'s backward, plus (swapped qk sin)'s, swapped back
-            grad_qk.add_(swap_halves(grads.mul_(signed_sin), head_dim))
-        else:
-            qkv[:, :, 0].copy_(grad_q.transpose(1, 2))
-            qkv[:, :, 1].copy_(grad_k.transpose(1, 2))
+            # swap(g sin) as swap(g) swap(sin): each element the same product, where it lands
+            swapped = swap_halves(grad_qk, head_dim).mul_(swap_halves(signed_sin, head_dim))
+            grad_qk.mul_(cos).add_(swapped)
         grad = qkv.view(rows, -1)
         grad_x = onednn.product(grad, w_qkv.t()) if ctx.needs_input_grad[0] else None
         grad_w_qkv = onednn.weight_gradient(x, grad) if ctx.needs_input_grad[1] else None
@@ -253,7 +263,11 @@ class Attention(nn.Module):
         # together, as they lie in qkv's rows: the same elementwise operations, half the launches.
         if rotary is not None:
             qk, v = qkv.split([2 * hidden, hidden], dim=-1)
-            q, k = rotary(qk).unflatten(-1, (2, *heads)).unbind(2)
+            if torch.is_grad_enabled() or qk.dtype != rotary.cos.dtype:
+                qk = rotary(qk)
+            else:
+                rotary.rotate_(qk)  # qkv is this call's own temporary
+            q, k = qk.unflatten(-1, (2, *heads)).unbind(2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(-1, heads).transpose(1, 2)
         else:
             q, k, v = (part.transpose(1, 2) for part in qkv.unflatten(-1, (3, *heads)).unbind(2))
@@ -271,10 +285,10 @@ def swiglu_width(hidden: int, expansion: float) -> int:
 
 class _OneDNNSwiGLU(torch.autograd.Function):
     """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (toolkit.models.onednn), and the
-    backward written over the forward's own temporaries: silu(gate) takes up's gradient and the gate_up product
-    takes its own gradient (gate's, then up's), where autograd made four new tensors of that size (two products,
-    silu's backward and chunk's cat). The same operations on the same operands as autograd through the parts, so
-    the same values bit for bit. Its saved tensors are spent: one backward per forward."""
+    backward written over the forward's own temporaries: the gate_up product takes its own gradient (up's, then
+    gate's, through silu's backward of the product's place), where autograd made four new tensors of that size
+    (two products, silu's backward and chunk's cat). The same operations on the same operands as autograd through
+    the parts, so the same values bit for bit. Its saved tensors are spent: one backward per forward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -293,10 +307,11 @@ class _OneDNNSwiGLU(torch.autograd.Function):
         gate, up = gate_up.chunk(2, dim=-1)
         grad_w_down = onednn.weight_gradient(product, g) if ctx.needs_input_grad[2] else None
         grad_product = onednn.product(g, w_down.t())
-        grad_up = activated.mul_(grad_product)  # MulBackward's grad * silu(gate)
-        grad_activated = grad_product.mul_(up)  # and grad * up
+        # product, read for the last time above, takes grad * up; up's place takes grad * silu(gate) (MulBackward's
+        # two products); gate's place takes silu's backward: gate_up holds its gradient, [gate's, up's]
+        grad_activated = torch.mul(grad_product, up, out=product)
+        torch.mul(activated, grad_product, out=up)
         torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
-        up.copy_(grad_up)  # gate_up now holds its gradient, [gate's, up's]
         grad_x = onednn.product(gate_up, w_gate_up.t()) if ctx.needs_input_grad[0] else None
         grad_w_gate_up = onednn.weight_gradient(x, gate_up) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w_gate_up, grad_w_down
@@ -311,8 +326,16 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if torch.is_grad_enabled() and _by_onednn(flat, self.gate_up.weight):
-            return _OneDNNSwiGLU.apply(flat, self.gate_up.weight, self.down.weight).view(*x.shape[:-1], -1)
+        if _by_onednn(flat, self.gate_up.weight):
+            if torch.is_grad_enabled():
+                return _OneDNNSwiGLU.apply(flat, self.gate_up.weight, self.down.weight).view(*x.shape[:-1], -1)
+            # gate and up as two products (each the same values as that half of the one product, bit for bit): silu
+            # and the product are then written over gate, a contiguous temporary, where silu's result was a fresh
+            # tensor in memory the cache no longer held (~1 ms a call at cpu-small, issue 27)
+            width, weight = self.down.weight.shape[1], self.gate_up.weight
+            gate = F.silu(onednn.product(flat, weight[:width]), inplace=True)
+            product = gate.mul_(onednn.product(flat, weight[width:]))
+            return onednn.product(product, self.down.weight).view(*x.shape[:-1], -1)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         if torch.is_grad_enabled():
             return self.down(F.silu(gate) * up)

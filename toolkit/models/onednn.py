@@ -52,12 +52,14 @@ _WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """g.T @ x for 2-D x [rows, in] and g [rows, out]. oneDNN copies its first operand (transposed here) to be
-    contiguous, so the narrower one is copied (x.T @ g where x has fewer columns than g, then transposed into the
-    weight's layout)."""
+    """g.T @ x for 2-D x [rows, in] and g [rows, out], the product's wider side first: x.T @ g, transposed into the
+    weight's layout, where x has fewer columns than g. For oneDNN, which copies its first operand (transposed here)
+    to be contiguous, that copies the narrower one; MKL's mm (AVX2 alone) gives the same values either way round and
+    takes 12% less time that way at HRM's [5248, 512] by [5248, 64] (issue 27)."""
+    narrower_x = x.shape[1] < g.shape[1]
     if not _WEIGHT_GRADIENT_BY_ONEDNN:
-        return torch.mm(g.t(), x)
-    return product(x.t(), g.t()).t().contiguous() if x.shape[1] < g.shape[1] else product(g.t(), x.t())
+        return torch.mm(x.t(), g).t().contiguous() if narrower_x else torch.mm(g.t(), x)
+    return product(x.t(), g.t()).t().contiguous() if narrower_x else product(g.t(), x.t())
 
 
 class OneDNNLinear(torch.autograd.Function):
