@@ -223,10 +223,14 @@ def test_rotary_rotates_q_and_k_side_by_side_as_the_reference_rotates_each(dtype
     with_gradient = rotary(qk.clone().requires_grad_())
     assert without.dtype == dtype and torch.equal(qk, kept)
     assert torch.equal(without, want.flatten(-2)) and torch.equal(with_gradient.detach(), want.flatten(-2))
-    if dtype == rotary.cos.dtype:  # in place, over a temporary in the tables' dtype (as Attention's qkv)
-        with torch.no_grad():
-            assert rotary.rotate_(qk) is qk
-        assert torch.equal(qk, want.flatten(-2)) and torch.equal(qkv[..., 2 * heads * head_dim:], kept_v)
+    # k's heads alone and q's at the first position alone (the target-Q segment's last block): those parts
+    k_alone, q_first = qk[..., heads * head_dim:].clone(), qk[:, :1, :heads * head_dim].clone()
+    assert torch.equal(rotary(k_alone), want.flatten(-2)[..., heads * head_dim:])
+    assert torch.equal(rotary(q_first), want.flatten(-2)[:, :1, :heads * head_dim])
+    with torch.no_grad():  # over a temporary of the caller's (as Attention's qkv), in place in the tables' dtype
+        rotated = rotary.rotate_temporary(qk)
+    assert (rotated is qk) == (dtype == rotary.cos.dtype) and torch.equal(rotated, want.flatten(-2))
+    assert torch.equal(qkv[..., 2 * heads * head_dim:], kept_v)
 
 
 def test_rms_norm_gradient_is_autograd_s_of_its_formula():

@@ -79,9 +79,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(trunc_normal_(torch.empty(out_features, in_features), 1.0 / math.sqrt(in_features)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outputs(x, 0, self.weight.shape[0])
+
+    def outputs(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Outputs start..stop alone, as their own product (by oneDNN, the same values as there in the whole one)."""
         # On the 2-D view: the same mm a 3-D input folds into, without matmul's reshape of its result (an op each)
         flat = x.reshape(-1, x.shape[-1])
-        return onednn.linear(flat, self.weight, min_macs=_ONEDNN_MIN_MACS).view(*x.shape[:-1], -1)
+        weight = self.weight if (start, stop) == (0, self.weight.shape[0]) else self.weight[start:stop]
+        return onednn.linear(flat, weight, min_macs=_ONEDNN_MIN_MACS).view(*x.shape[:-1], -1)
 
 
 _AT_LEAST_FLOAT32 = {dtype: torch.promote_types(dtype, torch.float32)
@@ -171,17 +176,27 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().repeat(1, 2 * heads), persistent=False)
         self.register_buffer("signed_sin", signed_sin.repeat(1, 2 * heads), persistent=False)
 
+    def tables(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for qk [..., L', width]: positions 0..L'-1, and as many heads as qk's width holds (the
+        tables repeat per head, so q's or k's heads alone take the first half)."""
+        length, width = qk.shape[-2:]
+        return self.cos[:length, :width], self.signed_sin[:length, :width]
+
     def forward(self, qk: torch.Tensor) -> torch.Tensor:  # qk [..., L, 2 x heads x head_dim]; rows may be strided
         # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
         dtype, qk = qk.dtype, qk.to(self.cos.dtype)
+        cos, signed_sin = self.tables(qk)
         if torch.is_grad_enabled():
-            return (qk * self.cos + swap_halves(qk, self.head_dim) * self.signed_sin).to(dtype)
-        return rotate_in_place(qk.clone() if qk.dtype == dtype else qk, self.cos, self.signed_sin,
+            return (qk * cos + swap_halves(qk, self.head_dim) * signed_sin).to(dtype)
+        return rotate_in_place(qk.clone() if qk.dtype == dtype else qk, cos, signed_sin,
                                self.head_dim).to(dtype)  # the same sums
 
-    def rotate_(self, qk: torch.Tensor) -> torch.Tensor:
-        """forward's rotation without gradient, written over qk (a temporary of the caller's in the tables' dtype)."""
-        return rotate_in_place(qk, self.cos, self.signed_sin, self.head_dim)
+    def rotate_temporary(self, qk: torch.Tensor) -> torch.Tensor:
+        """forward(qk), written over qk (a temporary of the caller's) where it can: without gradient, in the tables'
+        dtype."""
+        if torch.is_grad_enabled() or qk.dtype != self.cos.dtype:
+            return self(qk)
+        return rotate_in_place(qk, *self.tables(qk), self.head_dim)
 
 
 def _spend(ctx, what: str) -> None:
@@ -257,22 +272,23 @@ class Attention(nn.Module):
             out = _OneDNNAttention.apply(flat, self.qkv.weight, self.out.weight, *tables, length, self.heads)
             return out.view(batch, length, hidden)
         heads = (self.heads, hidden // self.heads)
-        qkv = self.qkv(x)
-        # Split where q, k and v lie side by side: their gradients are then joined into qkv's layout directly (split
-        # across a permuted dim, qkv's gradient was copied once more to be contiguous). q and k are rotated
-        # together, as they lie in qkv's rows: the same elementwise operations, half the launches.
-        if rotary is not None:
-            qk, v = qkv.split([2 * hidden, hidden], dim=-1)
-            if torch.is_grad_enabled() or qk.dtype != rotary.cos.dtype:
-                qk = rotary(qk)
-            else:
-                rotary.rotate_(qk)  # qkv is this call's own temporary
-            q, k = qk.unflatten(-1, (2, *heads)).unbind(2)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(-1, heads).transpose(1, 2)
+        if first_only:  # q's product at the first position alone: a third of the qkv product less
+            q = self.qkv.outputs(x[:, :1], 0, hidden)
+            k, v = self.qkv.outputs(x, hidden, 3 * hidden).split(hidden, dim=-1)
+            if rotary is not None:
+                q, k = rotary.rotate_temporary(q), rotary.rotate_temporary(k)
+            q, k, v = (part.unflatten(-1, heads).transpose(1, 2) for part in (q, k, v))
         else:
-            q, k, v = (part.transpose(1, 2) for part in qkv.unflatten(-1, (3, *heads)).unbind(2))
-        if first_only:
-            q = q[:, :, :1]
+            qkv = self.qkv(x)
+            # Split where q, k and v lie side by side: their gradients are then joined into qkv's layout directly
+            # (split across a permuted dim, qkv's gradient was copied once more to be contiguous). q and k are
+            # rotated together, as they lie in qkv's rows: the same elementwise operations, half the launches.
+            if rotary is not None:
+                qk, v = qkv.split([2 * hidden, hidden], dim=-1)
+                q, k = rotary.rotate_temporary(qk).unflatten(-1, (2, *heads)).unbind(2)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(-1, heads).transpose(1, 2)
+            else:
+                q, k, v = (part.transpose(1, 2) for part in qkv.unflatten(-1, (3, *heads)).unbind(2))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=False)
         return self.out(attended.transpose(1, 2).reshape(batch, q.shape[2], hidden))
 
@@ -366,9 +382,10 @@ class ReasoningModule(nn.Module):
         self.blocks = nn.ModuleList([Block(hidden, heads, expansion) for _ in range(layers)])
 
     def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None,
-                first_only: bool = False) -> torch.Tensor:
-        """first_only: the last block computes the first position's output alone ([B, 1, hidden])."""
-        state = state + injection
+                first_only: bool = False, injection_is_temporary: bool = False) -> torch.Tensor:
+        """first_only: the last block computes the first position's output alone ([B, 1, hidden]).
+        injection_is_temporary: injection is the caller's own temporary, and the sum is written over it."""
+        state = injection.add_(state) if injection_is_temporary else state + injection
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             state = block(state, rotary, first_only and index == last)
@@ -687,7 +704,7 @@ class HRM(nn.Module):
         x = torch.cat([puzzle, tokens], dim=1)
         if self.embed_pos is not None:
             x = 0.707106781 * (x + self.embed_pos.to(x.dtype))
-        return self.embed_scale * x
+        return x.mul_(self.embed_scale)  # over x, this call's own temporary (no backward reads it)
 
     def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor, logits: bool = True):
         """(z_h, z_l, logits [B, seq, vocab] (None without `logits`), q [B, 2] float32) from the embedded input x:
@@ -698,10 +715,10 @@ class HRM(nn.Module):
             for h in range(self.h_cycles):
                 for l_step in range(self.l_cycles):
                     if not (h == self.h_cycles - 1 and l_step == self.l_cycles - 1):
-                        z_l = self.l_level(z_l, z_h + x, self.rotary)
+                        z_l = self.l_level(z_l, z_h + x, self.rotary, injection_is_temporary=True)
                 if h != self.h_cycles - 1:
                     z_h = self.h_level(z_h, z_l, self.rotary)
-        z_l = self.l_level(z_l, z_h + x, self.rotary)
+        z_l = self.l_level(z_l, z_h + x, self.rotary, injection_is_temporary=True)
         z_h = self.h_level(z_h, z_l, self.rotary, first_only=not logits)
         logits = self.lm_head(z_h)[:, self.puzzle_len:] if logits else None
         q = self.q_head(z_h[:, 0])
