@@ -215,6 +215,21 @@ MUTATIONS = [
              "    heap.keep_between_steps()  # freed memory", "    pass  # heap.keep_between_steps()  # freed memory",
              ("tests/test_heap.py",),
              "a run's process keeps glibc's default heap: its steps fault their memory back in"),
+    Mutation("swiglu-without-gradient-takes-up-for-gate", "toolkit/models/hrm.py",
+             "gate = F.silu(onednn.product(flat, weight[:width]), inplace=True)",
+             "gate = F.silu(onednn.product(flat, weight[width:]), inplace=True)",
+             ("tests/test_hrm_model.py",),
+             "without gradient, SwiGLU's gate product takes the up half of the weight"),
+    Mutation("rotary-tables-not-sliced-by-position", "toolkit/models/hrm.py",
+             "return self.cos[:length, :width], self.signed_sin[:length, :width]",
+             "return self.cos[-length:, :width], self.signed_sin[-length:, :width]",
+             ("tests/test_hrm_model.py",),
+             "q at the first position alone is rotated with the last position's angles"),
+    Mutation("rms-norm-backward-forgets-the-mean", "toolkit/models/hrm.py",
+             "return torch.sub(g, torch.mul(y, mean, out=work), out=work).mul_(r), None",
+             "return torch.sub(g, y, out=work).mul_(r), None",
+             ("tests/test_hrm_model.py",),
+             "RMSNorm's written-out gradient drops mean(g y)"),
 ]
 
 

@@ -21,14 +21,17 @@ embedding reused by the target-Q segment, the exploration draws compared as inte
 summed as one tensor) and AdamATan2 (atan2 in one launch).
 
 CPU time (issue 27, item 1; benchmarks/README.md, references): the target-Q segment computes H's last block at the
-first position only (all q reads); without gradient a block writes its sums, norms and products over its own
-temporaries; RMSNorm's gradient is written out (`_RMSNorm`). In float32 on the CPU (eager, products of >= 1M
-multiply-adds) the linear layers are oneDNN inner products, forward and backward (torch's float32 mm is MKL's, whose
-kernels on an AMD EPYC are AVX2's: oneDNN's AVX-512 ones are ~2.2x faster there), and attention and SwiGLU with
-gradient are one autograd Function each (`_OneDNNAttention`, `_OneDNNSwiGLU`) whose backward writes the gradients
-over the forward's own temporaries: the same operations as autograd through the parts, bit for bit, fewer fresh
-tensors (each fresh megabyte a step is ~256 page faults on glibc's trimmed heap). Elsewhere (CUDA, float64,
-bfloat16 autocast, --compile) the parts run as before.
+first position only (all q reads; q's product too); without gradient a block writes its sums, norms, rotation and
+products over its own temporaries (SwiGLU's gate and up as two products, so that silu runs over a contiguous one);
+RMSNorm's gradient is written out (`_RMSNorm`). A fresh result costs more than its arithmetic: its memory is rarely
+in the cache, and writing it reads it in first (a fresh [5248, 256] ~0.8 ms on the machine measured, AVX2 caps).
+In float32 on the CPU (eager, products of >= 1M multiply-adds) the linear layers are oneDNN inner products, forward
+and backward (torch's float32 mm is MKL's, whose kernels on an AMD EPYC are AVX2's: oneDNN's AVX-512 ones are ~2.2x
+faster there), and attention and SwiGLU with gradient are one autograd Function each (`_OneDNNAttention`,
+`_OneDNNSwiGLU`, the latter transposed) whose backward writes the gradients over the forward's own temporaries: the
+same operations as autograd through the parts, bit for bit, fewer fresh tensors (each fresh megabyte a step is ~256
+page faults on glibc's trimmed heap). Elsewhere (CUDA, float64, bfloat16 autocast, --compile) the parts run as
+before.
 
 Also here: stablemax cross-entropy (float64), the Q-learning losses (`act_losses`), AdamATan2 and the sparse
 puzzle-embedding table with its SignSGD update (`PuzzleEmbedding`, `SparseSignSGD`).
@@ -300,36 +303,39 @@ def swiglu_width(hidden: int, expansion: float) -> int:
 
 
 class _OneDNNSwiGLU(torch.autograd.Function):
-    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (toolkit.models.onednn), and the
-    backward written over the forward's own temporaries: the gate_up product takes its own gradient (up's, then
-    gate's, through silu's backward of the product's place), where autograd made four new tensors of that size
-    (two products, silu's backward and chunk's cat). The same operations on the same operands as autograd through
-    the parts, so the same values bit for bit. Its saved tensors are spent: one backward per forward."""
+    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (toolkit.models.onednn), computed
+    transposed: gate_up.T = gate_up @ x.T, [2 x width, rows], so that gate and up are contiguous blocks, not the
+    strided halves of each row (silu and its backward ran ~2x slower over those: 1.6 against 0.64 ms at cpu-small,
+    AVX2 caps; issue 27). The backward is written over the forward's own temporaries: the gate_up product takes its
+    own gradient (up's, then gate's, through silu's backward of the product's place), where autograd made four new
+    tensors of that size (two products, silu's backward and chunk's cat). Each product's elements are the same dot
+    products, transposed: the same values as autograd through the parts, bit for bit (tested). Its saved tensors are
+    spent: one backward per forward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        gate_up = onednn.product(x, w_gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        activated = F.silu(gate)
-        product = activated * up
-        ctx.save_for_backward(x, w_gate_up, w_down, gate_up, activated, product)
-        return onednn.product(product, w_down)
+        gate_up_t = onednn.product(w_gate_up, x)
+        gate_t, up_t = gate_up_t.chunk(2, dim=0)
+        activated_t = F.silu(gate_t)
+        product_t = activated_t * up_t
+        ctx.save_for_backward(x, w_gate_up, w_down, gate_up_t, activated_t, product_t)
+        return onednn.product(w_down, product_t.t()).t().contiguous()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
         _spend(ctx, "SwiGLU")
-        x, w_gate_up, w_down, gate_up, activated, product = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad_w_down = onednn.weight_gradient(product, g) if ctx.needs_input_grad[2] else None
-        grad_product = onednn.product(g, w_down.t())
+        x, w_gate_up, w_down, gate_up_t, activated_t, product_t = ctx.saved_tensors
+        gate_t, up_t = gate_up_t.chunk(2, dim=0)
+        grad_w_down = onednn.weight_gradient(product_t.t(), g) if ctx.needs_input_grad[2] else None
+        grad_product_t = onednn.product(w_down.t(), g)
         # product, read for the last time above, takes grad * up; up's place takes grad * silu(gate) (MulBackward's
         # two products); gate's place takes silu's backward: gate_up holds its gradient, [gate's, up's]
-        grad_activated = torch.mul(grad_product, up, out=product)
-        torch.mul(activated, grad_product, out=up)
-        torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
-        grad_x = onednn.product(gate_up, w_gate_up.t()) if ctx.needs_input_grad[0] else None
-        grad_w_gate_up = onednn.weight_gradient(x, gate_up) if ctx.needs_input_grad[1] else None
+        grad_activated_t = torch.mul(grad_product_t, up_t, out=product_t)
+        torch.mul(activated_t, grad_product_t, out=up_t)
+        torch.ops.aten.silu_backward.grad_input(grad_activated_t, gate_t, grad_input=gate_t)
+        grad_x = onednn.product(w_gate_up.t(), gate_up_t.t()).t().contiguous() if ctx.needs_input_grad[0] else None
+        grad_w_gate_up = onednn.weight_gradient(x, gate_up_t.t()) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w_gate_up, grad_w_down
 
 
