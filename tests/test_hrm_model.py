@@ -479,3 +479,17 @@ def test_two_gloo_processes_update_the_table_as_one_process(tmp_path):
     for _ in range(3):
         expected = expected * (1 - 0.125) - 0.25 * torch.tensor([-1.0, -1, 0, 0])
     assert torch.allclose(table[2], expected, atol=1e-6)
+
+
+def test_a_temporary_injection_takes_the_sum_only_where_it_has_the_sum_s_dtype():
+    """ReasoningModule(injection_is_temporary=True) writes state + injection over the injection (the segment's own
+    z_h + x), the same values as without; a bfloat16 injection to a float32 state is not narrowed to bfloat16."""
+    module = hrm_module.ReasoningModule(1, 16, 2, 2.0)
+    state = torch.randn(2, CELLS + 1, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        injection = torch.randn(2, CELLS + 1, 16).to(dtype)
+        with torch.no_grad():
+            want = module(state, injection.clone(), None)
+            got = module(state, temporary := injection.clone(), None, injection_is_temporary=True)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+        assert torch.equal(temporary, injection) == (dtype == torch.bfloat16)  # float32: written over

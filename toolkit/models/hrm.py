@@ -390,8 +390,10 @@ class ReasoningModule(nn.Module):
     def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None,
                 first_only: bool = False, injection_is_temporary: bool = False) -> torch.Tensor:
         """first_only: the last block computes the first position's output alone ([B, 1, hidden]).
-        injection_is_temporary: injection is the caller's own temporary, and the sum is written over it."""
-        state = injection.add_(state) if injection_is_temporary else state + injection
+        injection_is_temporary: injection is the caller's own temporary, and the sum is written over it (when it has
+        the sum's dtype)."""
+        in_place = injection_is_temporary and injection.dtype == torch.promote_types(state.dtype, injection.dtype)
+        state = injection.add_(state) if in_place else state + injection
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             state = block(state, rotary, first_only and index == last)
