@@ -301,11 +301,13 @@ def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_other
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-    for rows, inputs, outputs in [(5248, 64, 512), (5248, 256, 64)]:  # HRM's, either side the wider
+    for rows, inputs, outputs in [(5248, 64, 512), (5248, 256, 64), (5248, 64, 192)]:  # HRM's, either side wider
         xs, gs = torch.randn(rows, inputs), torch.randn(rows, outputs)
         weight_gradient = onednn.weight_gradient(xs, gs)
         assert weight_gradient.shape == (outputs, inputs) and weight_gradient.is_contiguous()
         torch.testing.assert_close(weight_gradient, gs.t() @ xs, rtol=1e-4, atol=1e-3)
+        # the same values whether g's transpose is at hand (SwiGLU's transposed Function) or g itself
+        assert torch.equal(onednn.weight_gradient(xs, gs.t().contiguous().t()), weight_gradient)
     small = x[:, :4]  # 8 rows: 98k multiply-adds
     assert torch.equal(layer(small), torch.nn.functional.linear(small, layer.weight))
     assert torch.equal(layer.double()(x.double()), torch.nn.functional.linear(x.double(), layer.weight))
