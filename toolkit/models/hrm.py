@@ -178,6 +178,8 @@ class Rotary(nn.Module):
         signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.register_buffer("cos", angles.cos().repeat(1, 2 * heads), persistent=False)
         self.register_buffer("signed_sin", signed_sin.repeat(1, 2 * heads), persistent=False)
+        # signed_sin with each head's halves swapped, for the rotation's backward: swap(g sin) = swap(g) swap(sin)
+        self.register_buffer("swapped_sin", swap_halves(self.signed_sin, head_dim), persistent=False)
 
     def tables(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for qk [..., L', width]: positions 0..L'-1, and as many heads as qk's width holds (the
@@ -187,12 +189,12 @@ class Rotary(nn.Module):
 
     def forward(self, qk: torch.Tensor) -> torch.Tensor:  # qk [..., L, 2 x heads x head_dim]; rows may be strided
         # In the tables' precision (float32; bfloat16 inputs are rotated in float32 and cast back, as the reference)
-        dtype, qk = qk.dtype, qk.to(self.cos.dtype)
+        dtype = qk.dtype
+        if not torch.is_grad_enabled():  # the same sums, over a copy of qk's own
+            return self.rotate_temporary(qk.to(self.cos.dtype, copy=True)).to(dtype)
+        qk = qk.to(self.cos.dtype)
         cos, signed_sin = self.tables(qk)
-        if torch.is_grad_enabled():
-            return (qk * cos + swap_halves(qk, self.head_dim) * signed_sin).to(dtype)
-        return rotate_in_place(qk.clone() if qk.dtype == dtype else qk, cos, signed_sin,
-                               self.head_dim).to(dtype)  # the same sums
+        return (qk * cos + swap_halves(qk, self.head_dim) * signed_sin).to(dtype)
 
     def rotate_temporary(self, qk: torch.Tensor) -> torch.Tensor:
         """forward(qk), written over qk (a temporary of the caller's) where it can: without gradient, in the tables'
@@ -217,10 +219,11 @@ class _OneDNNAttention(torch.autograd.Function):
     qkv product takes its own gradient (v's, then q's and k's through the rotation), where autograd made five new
     tensors for the rotation's backward and a sixth for the split's cat. The same operations on the same operands as
     autograd through Attention's parts, so the same values bit for bit. Its saved tensors are spent: one backward
-    per forward. x is 2-D [batch x length, hidden]; cos and signed_sin are Rotary's tables (None: no rotation)."""
+    per forward. x is 2-D [batch x length, hidden]; cos, signed_sin and swapped_sin are Rotary's tables (None: no
+    rotation)."""
 
     @staticmethod
-    def forward(ctx, x, w_qkv, w_out, cos, signed_sin, length: int, heads: int):
+    def forward(ctx, x, w_qkv, w_out, cos, signed_sin, swapped_sin, length: int, heads: int):
         rows, hidden = x.shape
         qkv = onednn.product(x, w_qkv).view(rows // length, length, 3, heads, hidden // heads)
         if cos is not None:  # Rotary's sums, on q's and k's heads side by side
@@ -229,14 +232,14 @@ class _OneDNNAttention(torch.autograd.Function):
         q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
         v = qkv[:, :, 2].transpose(1, 2)
         attended, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
-        ctx.save_for_backward(x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp)
+        ctx.save_for_backward(x, w_qkv, w_out, cos, swapped_sin, qkv, q, k, attended, logsumexp)
         return onednn.product(attended.transpose(1, 2).reshape(rows, hidden), w_out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
         _spend(ctx, "attention")
-        x, w_qkv, w_out, cos, signed_sin, qkv, q, k, attended, logsumexp = ctx.saved_tensors
+        x, w_qkv, w_out, cos, swapped_sin, qkv, q, k, attended, logsumexp = ctx.saved_tensors
         rows, hidden = x.shape
         flat = attended.transpose(1, 2).reshape(rows, hidden)
         grad_w_out = onednn.weight_gradient(flat, g) if ctx.needs_input_grad[2] else None
@@ -250,12 +253,12 @@ class _OneDNNAttention(torch.autograd.Function):
             batch, length, _, _, head_dim = qkv.shape
             grad_qk = qkv.view(batch, length, -1)[..., :2 * hidden]
             # swap(g sin) as swap(g) swap(sin): each element the same product, where it lands
-            swapped = swap_halves(grad_qk, head_dim).mul_(swap_halves(signed_sin, head_dim))
+            swapped = swap_halves(grad_qk, head_dim).mul_(swapped_sin)
             grad_qk.mul_(cos).add_(swapped)
         grad = qkv.view(rows, -1)
         grad_x = onednn.product(grad, w_qkv.t()) if ctx.needs_input_grad[0] else None
         grad_w_qkv = onednn.weight_gradient(x, grad) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w_qkv, grad_w_out, None, None, None, None
+        return grad_x, grad_w_qkv, grad_w_out, None, None, None, None, None
 
 
 class Attention(nn.Module):
@@ -271,7 +274,7 @@ class Attention(nn.Module):
         flat = x.reshape(-1, hidden)
         if (torch.is_grad_enabled() and not first_only and _by_onednn(flat, self.qkv.weight)
                 and (rotary is None or rotary.cos.dtype == torch.float32)):
-            tables = (rotary.cos, rotary.signed_sin) if rotary is not None else (None, None)
+            tables = (rotary.cos, rotary.signed_sin, rotary.swapped_sin) if rotary is not None else (None,) * 3
             out = _OneDNNAttention.apply(flat, self.qkv.weight, self.out.weight, *tables, length, self.heads)
             return out.view(batch, length, hidden)
         heads = (self.heads, hidden // self.heads)
@@ -390,10 +393,9 @@ class ReasoningModule(nn.Module):
     def forward(self, state: torch.Tensor, injection: torch.Tensor, rotary: Rotary | None,
                 first_only: bool = False, injection_is_temporary: bool = False) -> torch.Tensor:
         """first_only: the last block computes the first position's output alone ([B, 1, hidden]).
-        injection_is_temporary: injection is the caller's own temporary, and the sum is written over it (when it has
-        the sum's dtype)."""
-        in_place = injection_is_temporary and injection.dtype == torch.promote_types(state.dtype, injection.dtype)
-        state = injection.add_(state) if in_place else state + injection
+        injection_is_temporary: injection is the caller's own temporary, and without gradient the sum is written over
+        it (`_plus`)."""
+        state = _plus(injection, state) if injection_is_temporary else state + injection
         last = len(self.blocks) - 1
         for index, block in enumerate(self.blocks):
             state = block(state, rotary, first_only and index == last)
