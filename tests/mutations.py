@@ -230,6 +230,16 @@ MUTATIONS = [
              "return torch.sub(g, y, out=work).mul_(r), None",
              ("tests/test_hrm_model.py",),
              "RMSNorm's written-out gradient drops mean(g y)"),
+    Mutation("products-by-mkl-on-amd-too", "toolkit/models/onednn.py",
+             'return vendor == "GenuineIntel" and capability == "AVX512" and not capped',
+             'return capability == "AVX512" and not capped',
+             ("tests/test_hrm_model.py::test_products_go_to_mkl_where_it_runs_avx512_kernels_and_to_onednn_elsewhere",),
+             "the products go to MKL on AMD's CPUs, whose MKL runs AVX2 kernels"),
+    Mutation("mkl-weight-gradient-reads-g-the-other-way-round", "toolkit/models/onednn.py",
+             "        return torch.mm(g.t(), x)\n    narrower_x",
+             "        return torch.mm(x.t(), g).t().contiguous()\n    narrower_x",
+             ("tests/test_hrm_model.py", "-k", "linear_multiplies"),
+             "MKL's weight gradient x.T g, whose values depend on g's layout"),
 ]
 
 

@@ -9,6 +9,7 @@ written-out gradient, and the oneDNN products and Functions (equal bit for bit t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import textwrap
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import run_recipe
 
+from toolkit import precision
 from toolkit.models import hrm as hrm_module
 from toolkit.models import onednn
 from toolkit.models.hrm import (
@@ -252,12 +254,14 @@ def test_rms_norm_gradient_is_autograd_s_of_its_formula():
 
 
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("library", ["onednn", "mkl"])
 @pytest.mark.parametrize("positions", ["rope", "learned"])
-def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_does(positions, monkeypatch):
-    """In float32 on the CPU, Attention and SwiGLU with gradient are one autograd Function each (oneDNN products, the
-    backward written over the forward's temporaries): the same outputs and gradients, bit for bit, as autograd
-    through the same modules' parts (their path where oneDNN is not taken); a second backward through them is
-    refused; float64 takes the parts."""
+def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_does(positions, library, monkeypatch):
+    """In float32 on the CPU, Attention and SwiGLU with gradient are one autograd Function each (oneDNN's or MKL's
+    products, whichever the machine runs faster; the backward written over the forward's temporaries): the same
+    outputs and gradients, bit for bit, as autograd through the same modules' parts (their path where oneDNN is not
+    taken); a second backward through them is refused; float64 takes the parts."""
+    monkeypatch.setattr(onednn, "products_by", lambda: library)
     model = tiny_model(hidden=64, heads=4, positions=positions)  # 160 rows: products of 2M and 5M multiply-adds
     block = model.h_level.blocks[0]
     for part, inputs in [(block.attention, (model.rotary,)), (block.mlp, ())]:
@@ -286,9 +290,11 @@ def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_d
 
 
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
-def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_otherwise():
-    """Linear's oneDNN products (forward, and both gradients) equal F.linear's to float32 rounding; a product under
-    ~1M multiply-adds, float64 and autocast take F.linear itself."""
+@pytest.mark.parametrize("library", ["onednn", "mkl"])
+def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_otherwise(library, monkeypatch):
+    """Linear's oneDNN products (forward, and both gradients; MKL's where that is the faster) equal F.linear's to
+    float32 rounding; a product under ~1M multiply-adds, float64 and autocast take F.linear itself."""
+    monkeypatch.setattr(onednn, "products_by", lambda: library)
     torch.manual_seed(4)
     layer = hrm_module.Linear(64, 192)
     x = torch.randn(2, 80, 64, requires_grad=True)  # 160 x 64 x 192 = 2M multiply-adds
@@ -301,18 +307,54 @@ def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_other
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-    for rows, inputs, outputs in [(5248, 64, 512), (5248, 256, 64), (5248, 64, 192)]:  # HRM's, either side wider
-        xs, gs = torch.randn(rows, inputs), torch.randn(rows, outputs)
-        weight_gradient = onednn.weight_gradient(xs, gs)
-        assert weight_gradient.shape == (outputs, inputs) and weight_gradient.is_contiguous()
-        torch.testing.assert_close(weight_gradient, gs.t() @ xs, rtol=1e-4, atol=1e-3)
-        # the same values whether g's transpose is at hand (SwiGLU's transposed Function) or g itself
-        assert torch.equal(onednn.weight_gradient(xs, gs.t().contiguous().t()), weight_gradient)
+    threads = torch.get_num_threads()
+    try:  # at 1 thread and at 2: the kernels split the work differently (MKL's x.T g differs by g's layout at 1)
+        for count, (rows, inputs, outputs) in itertools.product(
+                (1, 2), [(5248, 64, 512), (5248, 256, 64), (5248, 64, 192)]):  # HRM's, either side wider
+            torch.set_num_threads(count)
+            xs, gs = torch.randn(rows, inputs), torch.randn(rows, outputs)
+            weight_gradient = onednn.weight_gradient(xs, gs)
+            assert weight_gradient.shape == (outputs, inputs) and weight_gradient.is_contiguous()
+            torch.testing.assert_close(weight_gradient, gs.t() @ xs, rtol=1e-4, atol=1e-3)
+            # the same values whether g's transpose is at hand (SwiGLU's transposed Function) or g itself
+            assert torch.equal(onednn.weight_gradient(xs, gs.t().contiguous().t()), weight_gradient)
+    finally:
+        torch.set_num_threads(threads)
     small = x[:, :4]  # 8 rows: 98k multiply-adds
     assert torch.equal(layer(small), torch.nn.functional.linear(small, layer.weight))
     assert torch.equal(layer.double()(x.double()), torch.nn.functional.linear(x.double(), layer.weight))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer.float()(x).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+def test_products_go_to_mkl_where_it_runs_avx512_kernels_and_to_onednn_elsewhere(tmp_path, monkeypatch):
+    """MKL's GEMM takes AVX-512 kernels on Intel's CPUs alone: there the products are MKL's, on AMD's (MKL's AVX2
+    kernels) oneDNN's, and MKL_ENABLE_INSTRUCTIONS below AVX-512 (an AVX2 machine emulated) makes them oneDNN's."""
+    assert onednn.mkl_runs_avx512("GenuineIntel", "AVX512", "")
+    assert onednn.mkl_runs_avx512("GenuineIntel", "AVX512", "AVX512_E4")
+    assert not onednn.mkl_runs_avx512("GenuineIntel", "AVX512", "AVX2")
+    assert not onednn.mkl_runs_avx512("GenuineIntel", "AVX2", "")
+    assert not onednn.mkl_runs_avx512("AuthenticAMD", "AVX512", "")
+    assert not onednn.mkl_runs_avx512("", "DEFAULT", "")  # Arm: no vendor_id line
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    try:
+        for vendor, cap, library in [("GenuineIntel", "", "mkl"), ("AuthenticAMD", "", "onednn"),
+                                     ("GenuineIntel", "AVX2", "onednn")]:
+            (tmp_path / vendor).write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2 avx512f\n")
+            monkeypatch.setenv("TOOLKIT_CPUINFO", str(tmp_path / vendor))
+            monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", cap)
+            onednn.products_by.cache_clear()
+            assert (precision.cpu_vendor(), onednn.products_by()) == (vendor, library)
+    finally:
+        monkeypatch.undo()
+        onednn.products_by.cache_clear()  # this machine's own again
+    monkeypatch.setattr(onednn, "products_by", lambda: "mkl")
+    x, w = torch.randn(300, 64), torch.randn(192, 64)
+    assert torch.equal(onednn.product(x, w), torch.mm(x, w.t()))
+    monkeypatch.setattr(onednn, "products_by", lambda: "onednn")
+    assert torch.equal(onednn.product(x, w), torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
 
 
 def test_stablemax_cross_entropy_matches_a_float64_reference():

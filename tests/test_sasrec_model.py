@@ -314,10 +314,14 @@ def test_attention_dropout_outside_a_micro_batch_is_plain_dropout():
     assert not torch.equal(out, causal_attention_with_dropout(q, k, v, 0.5))  # a new mask each call
 
 
-def test_onednn_linear_is_f_linear_forward_and_backward():
-    """The CPU's float32 linear layers (oneDNN's inner product) compute F.linear and its gradients, up to rounding;
-    under autocast and in other dtypes F.linear itself runs."""
+@pytest.mark.parametrize("library", ["onednn", "mkl"])
+def test_onednn_linear_is_f_linear_forward_and_backward(library, monkeypatch):
+    """The CPU's float32 linear layers (oneDNN's inner product; MKL's GEMM where that runs AVX-512 kernels) compute
+    F.linear and its gradients, up to rounding; under autocast and in other dtypes F.linear itself runs."""
+    from toolkit.models import onednn
     from toolkit.models.sasrec import linear
+
+    monkeypatch.setattr(onednn, "products_by", lambda: library)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 7, 5, generator=g, requires_grad=True)

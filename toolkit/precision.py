@@ -18,19 +18,30 @@ import torch
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX-512 BF16, AMX), Arm (FEAT_BF16, "bf16")
 
 
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text (TOOLKIT_CPUINFO names another file); empty where there is none."""
+    try:
+        return Path(os.environ.get("TOOLKIT_CPUINFO", "/proc/cpuinfo")).read_text()
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU's feature flags ("flags" on x86, "Features" on Arm) from /proc/cpuinfo's text."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path(os.environ.get("TOOLKIT_CPUINFO", "/proc/cpuinfo")).read_text()
-        except OSError:
-            return set()
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
         if name.strip().lower() in ("flags", "features"):
             flags.update(value.split())
     return flags
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The x86 vendor string ("GenuineIntel", "AuthenticAMD"); "" where /proc/cpuinfo names none (Arm)."""
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
+    return next((value.strip() for name, _, value in (line.partition(":") for line in cpuinfo.splitlines())
+                 if name.strip() == "vendor_id"), "")
 
 
 SPEED_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512F", "avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX-BF16",
@@ -43,11 +54,7 @@ def cpu_kind(cpuinfo: str | None = None, threads: int | str | None = None) -> st
     process's torch threads), so figures from different machines are never read as if equal."""
     import torch
 
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path(os.environ.get("TOOLKIT_CPUINFO", "/proc/cpuinfo")).read_text()
-        except OSError:
-            cpuinfo = ""
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  "unknown CPU")
     flags = cpu_flags(cpuinfo)

@@ -1,24 +1,31 @@
-"""Float32 linear layers on the CPU through oneDNN's inner product, for every model that wants them.
+"""Float32 linear layers on the CPU by whichever library runs them faster here, for every model that wants them.
 
-torch's float32 `F.linear` / `mm` on the CPU calls MKL's GEMM, which on the AMD EPYC these recipes were measured on
-runs AVX2 kernels: at SASRec's and HRM's sizes oneDNN's inner product (AVX-512 there) is 1.8-2.6x faster, forward
-and backward (benchmarks/README.md, issues 23 and 27). The op is torch's own, `torch.ops.mkldnn._linear_pointwise`
-(the one inductor's CPU linear fusions call): private, so its presence is checked once, and every other case takes
-F.linear: CUDA, other dtypes, autocast (whose bfloat16 products go to oneDNN already), torch.compile and tracing
-(inductor chooses there), `torch.backends.mkldnn.enabled = False`, and products too small to pay oneDNN's fixed cost.
+torch's float32 `F.linear` / `mm` on the CPU calls MKL's GEMM, which takes its AVX-512 kernels on Intel's CPUs alone:
+on the AMD EPYC these recipes were first measured on it runs AVX2 kernels, and at SASRec's and HRM's sizes oneDNN's
+inner product (AVX-512 there) is 1.8-2.6x faster, forward and backward (benchmarks/README.md, issues 23 and 27). On
+an Intel CPU with AVX-512 MKL's GEMM is the faster: as fast forward, 1.4-2x faster for weight gradients, which it
+reads transposed in place where oneDNN copies them (`products_by`). oneDNN's op is torch's own,
+`torch.ops.mkldnn._linear_pointwise` (the one inductor's CPU linear fusions call): private, so its presence is
+checked once, and every other case takes F.linear: CUDA, other dtypes, autocast (whose bfloat16 products go to
+oneDNN already), torch.compile and tracing (inductor chooses there), `torch.backends.mkldnn.enabled = False`, and
+products too small to pay oneDNN's fixed cost.
 
-    linear(x, weight, bias=None, min_macs=0)   # F.linear's function, by oneDNN where it pays
+    linear(x, weight, bias=None, min_macs=0)   # F.linear's function, by the faster library where it pays
     eligible(x, weight, min_macs)              # whether it would
-    product(x, weight)                         # x @ weight.T by oneDNN (2-D), for hand-written backward passes
-    weight_gradient(x, g)                      # g.T @ x, by oneDNN where that is the faster (AVX-512), else mm
+    product(x, weight)                         # x @ weight.T (2-D), for hand-written backward passes
+    weight_gradient(x, g)                      # g.T @ x, each library's faster way round
+    products_by()                              # "onednn" or "mkl": which computes product() on this machine
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
+
+from toolkit.precision import cpu_vendor
 
 
 @functools.cache
@@ -40,14 +47,33 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, min_macs: int = 0) -> bool:
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing() and available())
 
 
+def mkl_runs_avx512(vendor: str, capability: str, mkl_instructions: str) -> bool:
+    """Whether MKL's GEMM takes its AVX-512 kernels: on an Intel CPU (`vendor` GenuineIntel) whose torch runs AVX-512
+    (`capability`, torch's), unless MKL_ENABLE_INSTRUCTIONS (`mkl_instructions`) caps it below AVX-512. On AMD's
+    CPUs it takes AVX2 kernels whatever they have."""
+    capped = bool(mkl_instructions) and not mkl_instructions.upper().startswith(("AVX512", "AVX10"))
+    return vendor == "GenuineIntel" and capability == "AVX512" and not capped
+
+
+@functools.cache
+def products_by() -> str:
+    """Which library computes `product` and `weight_gradient` here: "mkl" where MKL runs AVX-512 kernels (Intel),
+    else "onednn". Decided once from the CPU and the environment alone, never from a timing, so a run's values
+    depend on the machine and never on the moment (resume and N processes stay bit-exact)."""
+    vendor, capability = cpu_vendor(), torch.backends.cpu.get_cpu_capability()
+    return "mkl" if mkl_runs_avx512(vendor, capability, os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")) else "onednn"
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) by oneDNN; 2-D operands, either may be a transposed view."""
+    """x @ weight.T (+ bias) by the library `products_by` names; 2-D operands, either may be a transposed view."""
+    if products_by() == "mkl":
+        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# Weight gradients: with AVX-512, oneDNN's beat MKL's mm even with the transposed copy it makes (1.4-2.2x, AMD EPYC);
-# with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which reads the transposed operand in place, takes
-# them.
+# Weight gradients where oneDNN computes the products: with AVX-512, oneDNN's beat MKL's (AVX2) mm even with the
+# transposed copy it makes (1.4-2.2x, AMD EPYC); with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which
+# reads the transposed operand in place, takes them.
 _WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
@@ -57,7 +83,10 @@ def weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     to be contiguous, that copies the narrower one; MKL's mm (AVX2 alone) gives the same values either way round and
     takes 13% less time that way at SASRec's [25600, 150] by [25600, 50] (issue 27). With AVX2 alone, a g at least
     4x wider than x goes to oneDNN as g.T @ x (below). Which way is chosen depends on the shapes alone, never on g's
-    layout, so a gradient has the same values whichever layout its caller holds."""
+    layout, so a gradient has the same values whichever layout its caller holds. Where MKL runs AVX-512 kernels
+    (`products_by` "mkl"): mm(g.T, x) always, the one way round whose values do not depend on g's layout there."""
+    if products_by() == "mkl":
+        return torch.mm(g.t(), x)
     narrower_x = x.shape[1] < g.shape[1]
     if not _WEIGHT_GRADIENT_BY_ONEDNN:
         if g.shape[1] >= 4 * x.shape[1]:
