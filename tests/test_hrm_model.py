@@ -186,14 +186,18 @@ def test_the_target_q_segment_computes_the_first_position_as_the_whole_segment_d
 
 
 @pytest.mark.parametrize("positions", ["rope", "learned"])
-@pytest.mark.parametrize("sizes", ["tiny", "onednn"])
-def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions, sizes):
+@pytest.mark.parametrize("sizes", ["tiny", "onednn", "mkl"])
+def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions, sizes,
+                                                                                          monkeypatch):
     """Without gradient a block writes its sums, norms, rotation and SwiGLU product over its own temporaries (at
-    oneDNN's sizes, gate and up as two products, silu and the product over gate): the same values, bit for bit, as
-    the autograd path (there, the oneDNN Functions), and the state it was given unchanged."""
+    toolkit.models.onednn's sizes, gate and up as two products, silu and the product over gate): the same values, bit
+    for bit, as the autograd path (there, the _OneDNN Functions), by either library, and the state it was given
+    unchanged."""
     hidden = 16 if sizes == "tiny" else 64  # 64: 16 x 82 rows by 64 by 512, 43M multiply-adds
-    if sizes == "onednn" and not onednn.available():
-        pytest.skip("this torch has no oneDNN")
+    if sizes != "tiny":
+        if not onednn.available():
+            pytest.skip("this torch has no oneDNN")
+        monkeypatch.setattr(onednn, "products_by", lambda: sizes)
     model = tiny_model(h_layers=2, positions=positions, **({} if sizes == "tiny" else {"hidden": 64, "heads": 4}))
     x = torch.randn(4 if sizes == "tiny" else 16, CELLS + 1, hidden)
     kept = x.clone()

@@ -25,13 +25,13 @@ first position only (all q reads; q's product too); without gradient a block wri
 products over its own temporaries (SwiGLU's gate and up as two products, so that silu runs over a contiguous one);
 RMSNorm's gradient is written out (`_RMSNorm`). A fresh result costs more than its arithmetic: its memory is rarely
 in the cache, and writing it reads it in first (a fresh [5248, 256] ~0.8 ms on the machine measured, AVX2 caps).
-In float32 on the CPU (eager, products of >= 1M multiply-adds) the linear layers are oneDNN inner products, forward
-and backward (torch's float32 mm is MKL's, whose kernels on an AMD EPYC are AVX2's: oneDNN's AVX-512 ones are ~2.2x
-faster there), and attention and SwiGLU with gradient are one autograd Function each (`_OneDNNAttention`,
-`_OneDNNSwiGLU`, the latter transposed) whose backward writes the gradients over the forward's own temporaries: the
-same operations as autograd through the parts, bit for bit, fewer fresh tensors (each fresh megabyte a step is ~256
-page faults on glibc's trimmed heap). Elsewhere (CUDA, float64, bfloat16 autocast, --compile) the parts run as
-before.
+In float32 on the CPU (eager, products of >= 1M multiply-adds) the linear layers are toolkit.models.onednn's products,
+forward and backward: oneDNN's inner product, or MKL's GEMM where MKL runs AVX-512 kernels (Intel; on an AMD EPYC its
+kernels are AVX2's and oneDNN's AVX-512 ones ~2.2x faster), and attention and SwiGLU with gradient are one autograd
+Function each (`_OneDNNAttention`, `_OneDNNSwiGLU`, the latter transposed) whose backward writes the gradients over the
+forward's own temporaries: the same operations as autograd through the parts, bit for bit, fewer fresh tensors (each
+fresh megabyte a step is ~256 page faults on glibc's trimmed heap). Elsewhere (CUDA, float64, bfloat16 autocast,
+--compile) the parts run as before.
 
 Also here: stablemax cross-entropy (float64), the Q-learning losses (`act_losses`), AdamATan2 and the sparse
 puzzle-embedding table with its SignSGD update (`PuzzleEmbedding`, `SparseSignSGD`).
@@ -68,14 +68,14 @@ _ONEDNN_MIN_MACS = 1 << 20  # below ~1M multiply-adds oneDNN's fixed cost (~10 u
 
 
 def _by_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether HRM's products of x [rows, in] by weight go to oneDNN (toolkit.models.onednn.eligible, from ~1M
+    """Whether HRM's products of x [rows, in] by weight go to toolkit.models.onednn (`eligible`, from ~1M
     multiply-adds)."""
     return onednn.eligible(x, weight, _ONEDNN_MIN_MACS)
 
 
 class Linear(nn.Module):
     """A bias-free linear layer initialised with a truncated normal of std 1/sqrt(fan_in). In float32 on the CPU its
-    products (forward and backward) are oneDNN's (`toolkit.models.onednn.OneDNNLinear`); otherwise F.linear."""
+    products (forward and backward) are toolkit.models.onednn's (`OneDNNLinear`); otherwise F.linear."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -85,7 +85,7 @@ class Linear(nn.Module):
         return self.outputs(x, 0, self.weight.shape[0])
 
     def outputs(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Outputs start..stop alone, as their own product (by oneDNN, the same values as there in the whole one)."""
+        """Outputs start..stop alone, as their own product (the same values as there in the whole one)."""
         # On the 2-D view: the same mm a 3-D input folds into, without matmul's reshape of its result (an op each)
         flat = x.reshape(-1, x.shape[-1])
         weight = self.weight if (start, stop) == (0, self.weight.shape[0]) else self.weight[start:stop]
@@ -214,12 +214,12 @@ def _spend(ctx, what: str) -> None:
 
 
 class _OneDNNAttention(torch.autograd.Function):
-    """Attention.forward with gradient, its products by oneDNN (toolkit.models.onednn), SDPA's CPU flash kernels called
-    as F.scaled_dot_product_attention calls them, and the backward written over the forward's own temporaries: the
-    qkv product takes its own gradient (v's, then q's and k's through the rotation), where autograd made five new
+    """Attention.forward with gradient, its products by toolkit.models.onednn (oneDNN, or MKL), SDPA's CPU flash kernels
+    called as F.scaled_dot_product_attention calls them, and the backward written over the forward's own temporaries:
+    the qkv product takes its own gradient (v's, then q's and k's through the rotation), where autograd made five new
     tensors for the rotation's backward and a sixth for the split's cat. The same operations on the same operands as
-    autograd through Attention's parts, so the same values bit for bit. Its saved tensors are spent: one backward
-    per forward. x is 2-D [batch x length, hidden]; cos, signed_sin and swapped_sin are Rotary's tables (None: no
+    autograd through Attention's parts, so the same values bit for bit. Its saved tensors are spent: one backward per
+    forward. x is 2-D [batch x length, hidden]; cos, signed_sin and swapped_sin are Rotary's tables (None: no
     rotation)."""
 
     @staticmethod
@@ -306,14 +306,14 @@ def swiglu_width(hidden: int, expansion: float) -> int:
 
 
 class _OneDNNSwiGLU(torch.autograd.Function):
-    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by oneDNN (toolkit.models.onednn), computed
-    transposed: gate_up.T = gate_up @ x.T, [2 x width, rows], so that gate and up are contiguous blocks, not the
-    strided halves of each row (silu and its backward ran ~2x slower over those: 1.6 against 0.64 ms at cpu-small,
-    AVX2 caps; issue 27). The backward is written over the forward's own temporaries: the gate_up product takes its
-    own gradient (up's, then gate's, through silu's backward of the product's place), where autograd made four new
-    tensors of that size (two products, silu's backward and chunk's cat). Each product's elements are the same dot
-    products, transposed: the same values as autograd through the parts, bit for bit (tested). Its saved tensors are
-    spent: one backward per forward."""
+    """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by toolkit.models.onednn (oneDNN, or MKL),
+    computed transposed: gate_up.T = gate_up @ x.T, [2 x width, rows], so that gate and up are contiguous blocks, not
+    the strided halves of each row (silu and its backward ran ~2x slower over those: 1.6 against 0.64 ms at cpu-small,
+    AVX2 caps; issue 27). The backward is written over the forward's own temporaries: the gate_up product takes its own
+    gradient (up's, then gate's, through silu's backward of the product's place), where autograd made four new tensors
+    of that size (two products, silu's backward and chunk's cat). Each product's elements are the same dot products,
+    transposed: the same values as autograd through the parts, bit for bit (tested). Its saved tensors are spent: one
+    backward per forward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

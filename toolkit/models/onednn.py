@@ -71,35 +71,33 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# Weight gradients where oneDNN computes the products: with AVX-512, oneDNN's beat MKL's (AVX2) mm even with the
-# transposed copy it makes (1.4-2.2x, AMD EPYC); with AVX2 alone they do not (0.5-1.0x at HRM's sizes), and mm, which
-# reads the transposed operand in place, takes them.
-_WEIGHT_GRADIENT_BY_ONEDNN = torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
 def weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """g.T @ x for 2-D x [rows, in] and g [rows, out], the product's wider side first: x.T @ g, transposed into the
-    weight's layout, where x has fewer columns than g. For oneDNN, which copies its first operand (transposed here)
-    to be contiguous, that copies the narrower one; MKL's mm (AVX2 alone) gives the same values either way round and
-    takes 13% less time that way at SASRec's [25600, 150] by [25600, 50] (issue 27). With AVX2 alone, a g at least
-    4x wider than x goes to oneDNN as g.T @ x (below). Which way is chosen depends on the shapes alone, never on g's
-    layout, so a gradient has the same values whichever layout its caller holds. Where MKL runs AVX-512 kernels
-    (`products_by` "mkl"): mm(g.T, x) always, the one way round whose values do not depend on g's layout there."""
+    """g.T @ x for 2-D x [rows, in] and g [rows, out], each machine's faster way round (issue 27; benchmarks/products.py
+    times them):
+    - MKL's products (`products_by` "mkl": Intel, AVX-512): mm(g.T, x), which reads g transposed in place; the one
+      way round whose values do not depend on g's layout there (x.T @ g differs in the last bits at 1 thread).
+    - oneDNN's, with AVX-512 (AMD): oneDNN, 1.4-2.2x faster than MKL's AVX2 mm even with the contiguous copy it makes
+      of its first operand: the narrower side first (x.T @ g, transposed into the weight's layout, where x has fewer
+      columns than g), so that the copy is the narrower one.
+    - oneDNN's, AVX2 alone: MKL's mm (oneDNN ran 0.5-1.0x of it at HRM's sizes), the same way round, 13% faster at
+      SASRec's [25600, 150] by [25600, 50]; except g at least 4x wider than x (HRM's SwiGLU gate_up): oneDNN's g.T @ x,
+      13% faster than mm where g.T is at hand contiguous (the transposed SwiGLU holds it).
+    The way round depends on the shapes alone, never on g's layout, so a gradient has the same values whichever
+    layout its caller holds (tested)."""
     if products_by() == "mkl":
         return torch.mm(g.t(), x)
     narrower_x = x.shape[1] < g.shape[1]
-    if not _WEIGHT_GRADIENT_BY_ONEDNN:
-        if g.shape[1] >= 4 * x.shape[1]:
-            # A much wider g (HRM's SwiGLU gate_up, 8x at cpu-small): oneDNN's g.T @ x, 13% faster than mm where g.T
-            # is at hand contiguous (the transposed SwiGLU holds it), copied where not; the same values either way
-            return product(g.t(), x.t())
-        return torch.mm(x.t(), g).t().contiguous() if narrower_x else torch.mm(g.t(), x)
-    return product(x.t(), g.t()).t().contiguous() if narrower_x else product(g.t(), x.t())
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return product(x.t(), g.t()).t().contiguous() if narrower_x else product(g.t(), x.t())
+    if g.shape[1] >= 4 * x.shape[1]:
+        return product(g.t(), x.t())
+    return torch.mm(x.t(), g).t().contiguous() if narrower_x else torch.mm(g.t(), x)
 
 
 class OneDNNLinear(torch.autograd.Function):
-    """x W^T + b and its gradients (g W; g^T x by weight_gradient; the bias's a sum), each one oneDNN product: the
-    same function as F.linear up to float rounding (the order of the sums in each dot product)."""
+    """x W^T + b and its gradients (g W; g^T x by weight_gradient; the bias's a sum), each one `product` (oneDNN's, or
+    MKL's where `products_by` says): the same function as F.linear up to float rounding (the order of the sums in
+    each dot product)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +121,7 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_macs: int = 0) -> torch.Tensor:
-    """F.linear(x, weight, bias), by oneDNN where `eligible`: with autograd's graph through OneDNNLinear when a
+    """F.linear(x, weight, bias), by `product` where `eligible`: with autograd's graph through OneDNNLinear when a
     gradient is wanted, else the bare product."""
     if not eligible(x, weight, min_macs):
         return F.linear(x, weight, bias)
