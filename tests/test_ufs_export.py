@@ -158,14 +158,15 @@ def test_export_refuses_bad_input_in_one_line(trained_run, tmp_path, capfd, monk
 
 
 def build_cpp_consumer() -> Path:
-    """cmake + g++ against the torch wheel's LibTorch, into a temporary build directory kept per source version
-    (a LibTorch compile takes minutes on 2 cores; later runs reuse it)."""
+    """cmake + g++ against the torch wheel's LibTorch, into a temporary build directory kept per source version and
+    LibTorch (a LibTorch compile takes minutes on 2 cores; later runs reuse it). The binary finds LibTorch by the path
+    it was linked at, so that path is in the key: a build linked against a venv since removed is not reused."""
     import hashlib
 
     from filelock import FileLock
 
     sources = ROOT / "export" / "cpp"
-    digest = hashlib.sha1(torch.__version__.encode())
+    digest = hashlib.sha1(f"{torch.__version__} {torch.utils.cmake_prefix_path}".encode())
     for path in sorted(sources.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     build = Path("/tmp") / f"toolkit-ufs-cpp-{digest.hexdigest()[:12]}"
