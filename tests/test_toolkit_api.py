@@ -57,6 +57,39 @@ def test_resume_from_an_older_checkpoint_reproduces_the_run(straight, resume_ste
     assert [int(r["step"]) for r in metrics_rows(copy)] == [3, 6, 9, 12, 15, 18]
 
 
+def test_resume_from_every_checkpoint_keeps_every_row_and_header(tmp_path):
+    """Checkpoints at every step, evaluations every 2: step 1 was saved before metrics.csv's first row. A resume
+    from any of them cuts what came later and writes it again, header included (a file cut to 0 bytes once lost its
+    header: the rows sat where it was)."""
+    args = ["--eval-every-steps", "2", "--checkpoint-every", "1", "--keep-checkpoints", "20", "--max-steps", "4"]
+    straight = tmp_path / "straight"
+    run_recipe([*args, "--output-dir", str(straight)], recipe=TOY)
+    assert [int(r["step"]) for r in metrics_rows(straight)] == [2, 4]
+    for step in range(1, 4):
+        copy = tmp_path / f"from-{step}"
+        shutil.copytree(straight, copy)
+        run_recipe([*args, "--resume-from", str(copy / "checkpoints" / f"step_{step}")], recipe=TOY)
+        assert (copy / "metrics.csv").read_text().splitlines()[0].startswith("epoch,step,train_loss"), step
+        assert_same_run(straight, copy, 4)
+
+
+def test_a_log_cut_to_nothing_gets_its_header_again(tmp_path):
+    from toolkit.tracking import CSVTracker, MetricsFile, truncate_to_bytes
+
+    log, metrics = CSVTracker(tmp_path), MetricsFile(tmp_path)
+    log.log({"loss": 1.5}, step=1)
+    metrics.append({"epoch": 0, "step": 1, "train_loss": 1.5})
+    for path in (log.path, metrics.path):
+        truncate_to_bytes(path, 0)  # saved before the file's first row
+    log.log({"loss": 1.5}, step=1)
+    metrics.append({"epoch": 0, "step": 1, "train_loss": 1.5})
+    assert log.path.read_text().splitlines() == ["step,name,value", "1,loss,1.5"]
+    assert metrics.rows() == [{"epoch": "0", "step": "1", "train_loss": "1.5"}]
+    metrics.path.write_text("")  # an empty file (a kill between its creation and the header's write)
+    metrics.append({"epoch": 0, "step": 1, "train_loss": 1.5})
+    assert metrics.rows() == [{"epoch": "0", "step": "1", "train_loss": "1.5"}]
+
+
 def test_extending_a_finished_run_matches_the_longer_run(straight, tmp_path):
     out = tmp_path / "run"
     run_recipe([*TOY_ARGS, "--epochs", "2", "--output-dir", str(out)], recipe=TOY)

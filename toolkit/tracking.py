@@ -52,7 +52,7 @@ class CSVTracker(GeneralTracker):
         return self.path
 
     def log(self, values: dict, step: int | None = None, **kwargs):
-        new = not self.path.exists()
+        new = _is_new(self.path)
         try:
             with open(self.path, "a", newline="") as handle:
                 writer = csv.writer(handle)
@@ -126,7 +126,7 @@ class MetricsFile:
             return list(csv.DictReader(handle))
 
     def append(self, row: dict) -> None:
-        new = not self.path.exists()
+        new = _is_new(self.path)
         columns = list(row)
         if not new:
             with open(self.path, newline="") as handle:
@@ -139,12 +139,25 @@ class MetricsFile:
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
 
 
+def _is_new(path: Path) -> bool:
+    """Whether an append-only CSV still needs its header: missing, or empty (a resume from a checkpoint saved before
+    its first row cuts it to 0 bytes; a kill between open and the header's write leaves it empty)."""
+    try:
+        return path.stat().st_size == 0
+    except FileNotFoundError:
+        return True
+
+
 def truncate_to_bytes(path: Path, size: int) -> None:
     """On resume, cut an append-only file (metrics.csv, log.csv) back to its length when the checkpoint was saved:
-    whatever a later life wrote after it (rows, test results) is written again by the resumed run, once."""
+    whatever a later life wrote after it (rows, test results) is written again by the resumed run, once. A file
+    that did not exist then is removed, so the next row writes its header again."""
     path = Path(path)
     if path.exists() and path.stat().st_size > size:
-        os.truncate(path, size)
+        if size == 0:
+            path.unlink()
+        else:
+            os.truncate(path, size)
 
 
 def write_json(path: Path, data: dict) -> None:
