@@ -152,6 +152,13 @@ def _longitudes_off_grid(ds):
     return ds
 
 
+def _a_longitude_nan(ds):
+    values = ds["longitude"].values.copy()
+    values[5] = np.nan
+    ds["longitude"] = ("lon", values, ds["longitude"].attrs)
+    return ds
+
+
 REFUSED = {
     "a level dimension of length 0": ("ocean", _empty_level, "variable 'sea_water_salinity' has a level dimension "
                                       "'nlev' of length 0"),
@@ -160,6 +167,11 @@ REFUSED = {
                                         "both 2-D"),
     "longitudes half a cell off": ("atmos", _longitudes_off_grid, "its longitudes 'longitude' (32 values, 0.5 .. "
                                    "349.25) are not those of --data"),
+    "a NaN longitude in the ocean file": ("ocean", _a_longitude_nan, "--data {ocean}: longitude 'longitude' is NaN/inf "
+                                          "at 1 of its 32 values (e.g. index 5); a Gaussian grid's longitudes must "
+                                          "all be finite (degrees east): fill them"),
+    "a NaN longitude in the atmosphere file": ("atmos", _a_longitude_nan, "--data-atmos {atmos}: longitude "
+                                               "'longitude' is NaN/inf at 1 of its 32 values (e.g. index 5)"),
 }
 
 
@@ -173,7 +185,7 @@ def test_a_hostile_pair_is_one_line_naming_file_and_variable(case, pair, acceler
     files[which] = tmp_path / f"{which}.nc"
     with pytest.raises(UsageError) as error:
         load_patterns(accelerator, files["ocean"], atmos_path=files["atmos"], domain="aibalance-b1eccbc")
-    message = str(error.value)
+    message, fragment = str(error.value), fragment.format(**files)
     assert "\n" not in message and fragment in message and str(files[which]) in message, message
 
 

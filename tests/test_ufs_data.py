@@ -572,6 +572,39 @@ def test_an_explicit_name_settles_an_ambiguous_input(grid_file, accelerator, tmp
     assert torch.equal(chosen.train_inputs, load_patterns(accelerator, grid_file).train_inputs)
 
 
+def _latitudes_nan_at(cells):
+    def edit(ds):
+        values = ds["TLAT"].values.copy()
+        values.reshape(-1)[cells] = np.nan
+        ds["TLAT"] = (ds["TLAT"].dims, values, ds["TLAT"].attrs)
+
+    return edit
+
+
+def test_nan_latitudes_in_ocean_cells_are_one_line_and_on_land_change_nothing(grid_file, accelerator, tmp_path):
+    """A NaN latitude fails every latitude bound: in a cell the mask keeps it would drop the cell without a word.
+    It is refused in one line with the count, the first cell by dimension name and what is valid; on land (cells the
+    mask leaves out) it changes nothing."""
+    with xr.open_dataset(grid_file) as ds:
+        ocean = ds["tmask"].values.reshape(-1) > 0.5
+        shape, dims = ds["TLAT"].shape, ds["TLAT"].dims
+    assert dims == ("nj", "ni") and ocean.any() and not ocean.all()
+    cells = np.flatnonzero(ocean)[:: ocean.sum() // 20][:20]  # ocean cells poleward of 40 and not, all refused
+    holes = _edited(grid_file, tmp_path / "holes.nc", _latitudes_nan_at(cells))
+    with pytest.raises(UsageError) as error:
+        load_patterns(accelerator, holes)
+    j, i = np.unravel_index(cells[0], shape)
+    assert str(error.value) == (
+        f"--data {holes}: latitude 'TLAT' is NaN/inf at 20 of the cells the mask keeps (e.g. nj={j}, ni={i}: nan); "
+        "latitudes there must be finite degrees north, -90 .. 90: fill them, mask those cells, or name the latitude "
+        "variable with --lat-variable"
+    )
+    land = _edited(grid_file, tmp_path / "land.nc", _latitudes_nan_at(np.flatnonzero(~ocean)[:20]))
+    plain, read = load_patterns(accelerator, grid_file), load_patterns(accelerator, land)
+    assert read.meta["patterns"] == plain.meta["patterns"]
+    assert torch.equal(read.train_inputs, plain.train_inputs) and torch.equal(read.valid_targets, plain.valid_targets)
+
+
 HOSTILE_NETCDF.update({
     "a square grid, a field's dimensions named unlike the others'": (
         _square_with_unrelated_names, {},
@@ -580,6 +613,11 @@ HOSTILE_NETCDF.update({
                                   "latitude 'TLAT' has 3 values outside -90 .. 90 (e.g. 95)"),
     "latitude -123 in the domain": (lambda ds: _set_inside(ds, "TLAT", np.float32(-123.0), 1), {"hemisphere": "south"},
                                     "latitude 'TLAT' has 1 values outside -90 .. 90 (e.g. -123)"),
+    "NaN latitudes in ocean cells": (lambda ds: _set_inside(ds, "TLAT", np.float32(np.nan), 20), {},
+                                     "latitude 'TLAT' is NaN/inf at 20 of the cells the mask keeps (e.g. nj="),
+    "an infinite latitude, the south asked": (lambda ds: _set_inside(ds, "TLAT", np.float32(-np.inf), 1),
+                                              {"hemisphere": "south"},
+                                              "latitude 'TLAT' is NaN/inf at 1 of the cells the mask keeps"),
     "air at 1e4 K, no units attribute": (lambda ds: (_set_inside(ds, "tair", np.float32(1e4), 1),
                                                      _without_units(ds, "tair")), {},
                                          "field 'tair' (no units attribute: the range of tair in any of its usual "

@@ -227,6 +227,17 @@ def _nan_file(case_dir, data):
     return str(path)
 
 
+def _nan_latitude_file(case_dir, data):
+    """TLAT NaN at 20 ocean cells: each would otherwise be dropped from the domain without a word."""
+    ds = xr.open_dataset(data, engine="netcdf4").load()
+    values = ds["TLAT"].values.copy()
+    values.reshape(-1)[np.flatnonzero(ds["tmask"].values.reshape(-1) > 0.5)[::7][:20]] = np.nan
+    ds["TLAT"] = (ds["TLAT"].dims, values, ds["TLAT"].attrs)
+    path = case_dir / "no-latitude.nc"
+    ds.to_netcdf(path, engine="netcdf4")
+    return str(path)
+
+
 def _ocean_and_atmos(case_dir, atmos_grid=(24, 48)):
     """--data ocean.nc --data-atmos air.nc (CICE names), the atmosphere on `atmos_grid`."""
     synthesize(case_dir / "ocean.nc", seed=7, nlat=24, nlon=48, naming="cice", atmos_out=case_dir / "unused.nc")
@@ -253,6 +264,12 @@ BAD_INPUTS = [
         "nan-in-input",
         lambda d, data: ["--data", _nan_file(d, data)],
         ["holes.nc", "input field 'sst' has 3 NaN/inf values"],
+    ),
+    (
+        "nan-latitudes",
+        lambda d, data: ["--data", _nan_latitude_file(d, data)],
+        ["no-latitude.nc", "latitude 'TLAT' is NaN/inf at 20 of the cells the mask keeps (e.g. nj=",
+         "latitudes there must be finite degrees north, -90 .. 90"],
     ),
     (
         "batch-too-large",

@@ -611,7 +611,18 @@ def select_patterns(
             raise UsageError(f"--data {path}: latitude {lat_variable!r} holds {stored.dtype} values; latitudes are "
                              "degrees north (numbers)")
         lat = np.asarray(stored, dtype=np.float64)
-        off_earth = domain_grid & np.isfinite(lat) & (np.abs(lat) > 90)  # the cells the mask keeps (land: fill)
+        # A NaN/inf latitude in a cell the mask keeps would fail every bound and drop the cell without a word.
+        unknown = domain_grid & ~np.isfinite(lat)
+        if unknown.any():
+            at = np.unravel_index(int(np.flatnonzero(unknown.ravel())[0]), shape)
+            index = ", ".join(f"{dim}={i}" for dim, i in zip(first[1].dims, at, strict=True))
+            kept = "the cells the mask keeps" if len(where) else "the grid's cells (no mask)"
+            raise UsageError(
+                f"--data {path}: latitude {lat_variable!r} is NaN/inf at {int(unknown.sum())} of {kept} (e.g. "
+                f"{index}: {lat[at]:g}); latitudes there must be finite degrees north, -90 .. 90: fill them, mask "
+                "those cells, or name the latitude variable with --lat-variable"
+            )
+        off_earth = domain_grid & (np.abs(lat) > 90)  # the cells the mask keeps (land: fill)
         if off_earth.any():
             raise UsageError(
                 f"--data {path}: latitude {lat_variable!r} has {int(off_earth.sum())} values outside -90 .. 90 "

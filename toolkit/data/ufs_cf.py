@@ -194,6 +194,15 @@ def alignment(reference, reference_axes: Axes, other, other_axes: Axes) -> tuple
         own_name = (other_axes.lat, other_axes.lon)[position]
         ref_values = np.asarray(reference.ds[ref_name].values)
         own_values = np.asarray(other.ds[own_name].values)
+        for source, name, values in ((reference, ref_name, ref_values), (other, own_name, own_values)):
+            unknown = ~np.isfinite(np.asarray(values, dtype=np.float64).reshape(-1))
+            if unknown.any():  # every cell of its row (column) reads it: no cell can be matched without it
+                valid = "-90 .. 90 degrees north" if period is None else "degrees east"
+                raise UsageError(
+                    f"{source.flag} {source.path}: {which} {name!r} is NaN/inf at {int(unknown.sum())} of its "
+                    f"{unknown.size} values (e.g. index {int(np.flatnonzero(unknown)[0])}); a Gaussian grid's "
+                    f"{which}s must all be finite ({valid}): fill them"
+                )
         index = matching(ref_values, own_values, period)
         if index is None:
             raise UsageError(
