@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import CONFIGS, ROOT, TINY, logged_steps, recipe_env, run_recipe
+from conftest import CONFIGS, ROOT, TINY, TOY, logged_steps, ranks_seen, recipe_env, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +67,22 @@ def test_a_signal_in_the_first_tenth_of_a_second_is_kept_not_fatal(tmp_path, mov
     assert "pre-empted at step 1: checkpoint saved" in stdout + stderr
     assert (out / "checkpoints" / "step_1" / "COMPLETE").exists()
     assert signalled_at < 0.5  # the signal did arrive during start-up (torch alone takes longer to import)
+
+
+@pytest.mark.parametrize("rank", [1])  # not the main process: its flag must reach rank 0
+def test_a_signal_on_any_rank_is_saved_at_the_next_step_not_the_next_read(rank, tmp_path):
+    """2 processes reading the loss every 20 steps: SIGUSR1 to one rank during step 5 is saved at step 5 (the ranks
+    agree on it every step, on the host), and the resumed run ends as the uninterrupted one, bit for bit."""
+    args = ["--log-every", "20", "--max-steps", "8", "--checkpoint-every", "0", "--eval-every-steps", "4",
+            "--no-carry"]
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    run_recipe([*args, "--output-dir", str(straight)], recipe=TOY, config="cpu_2proc.yaml")
+    hook = ["--signal-at-step", "5", "--signal-rank", str(rank)]  # a resume keeps the run's flags (step 5 is past)
+    signalled = run_recipe([*args, *hook, "--output-dir", str(preempted)], recipe=TOY, config="cpu_2proc.yaml")
+    assert ranks_seen(signalled.stdout + signalled.stderr) == {(0, 2), (1, 2)}
+    assert "pre-empted at step 5: checkpoint saved" in signalled.stdout, signalled.stdout[-2000:]
+    assert sorted(p.name for p in (preempted / "checkpoints").iterdir()) == ["step_4", "step_5"]
+    run_recipe([*args, *hook, "--output-dir", str(preempted), "--resume-from", "auto"], recipe=TOY,
+               config="cpu_2proc.yaml")
+    final = [d / "checkpoints" / "step_8" / "model.safetensors" for d in (straight, preempted)]
+    assert final[0].read_bytes() == final[1].read_bytes()

@@ -19,6 +19,8 @@ What it exercises (each can be switched off to show the test notices):
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -63,6 +65,9 @@ class ToyConfig(TrainConfig):
     """Test hook: val_mse is NaN when evaluated at this step (0 = never)."""
     main_metric: str = "val_mse"
     """Test hook: the metric the loop selects the best step by."""
+    signal_at_step: int = 0
+    """Test hook: --signal-rank sends itself SIGUSR1 during this step (0 = never)."""
+    signal_rank: int = 0
     plain_dropout: bool = False
     """Test hook: torch's nn.Dropout (rank-dependent masks) instead of KeyedDropout."""
     optimizer: str = "sgd"
@@ -189,6 +194,8 @@ def train(run: Run, cfg: ToyConfig) -> dict:
                 ema.update(loss_value)
             carry.last = prediction.detach().cpu()
             loop.record_loss(loss_value)
+            if loop.progress.global_step + 1 == cfg.signal_at_step and accelerator.process_index == cfg.signal_rank:
+                os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM signals one process of the job
         loop.end_epoch()
 
     loop.load_best()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from toolkit import compilation, openmp, preemption, randomness
-from toolkit.agreement import agree
+from toolkit.agreement import agree, any_rank_on_host
 from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped
@@ -194,8 +194,8 @@ class TrainingLoop(RunEnd):
         self.run.print(f"stopping at step {self.progress.global_step}: {self.progress.stop_reason}")
 
     def _after_optimizer_step(self, end_of_epoch: bool) -> None:
-        """Close the step's losses. At the read cadence (--log-every; every step for one process with a signal or a
-        stop pending) or at the last step: read them (guards, bar, log) and agree with the other ranks (pre-empted,
+        """Close the step's losses. At the read cadence (--log-every; at once when any rank has a signal or a stop
+        pending) or at the last step: read them (guards, bar, log) and agree with the other ranks (pre-empted,
         diverged, a stop). Then the mid-epoch evaluation and checkpoint when due, each reading first (an epoch end or
         the loop's end does those itself)."""
         cfg, progress = self.config, self.progress
@@ -205,8 +205,7 @@ class TrainingLoop(RunEnd):
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             self.stopped = True
-        pending = self.accelerator.num_processes == 1 and (preemption._requested or self._stop_request is not None)
-        if self.losses.read_due(step) or self.stopped or pending:
+        if self.losses.read_due(step) or self.stopped or self._signal_or_stop_anywhere():
             rider = self._rider if self.losses.read_due(step) else None
             problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg, rider)
             agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
@@ -231,6 +230,13 @@ class TrainingLoop(RunEnd):
             new_best = progress.best_step == step  # mid-epoch: load_best() needs its checkpoint
         if mid_epoch_save_due(cfg.checkpoint_every, step, new_best):
             self.save()
+
+    def _signal_or_stop_anywhere(self) -> bool:
+        """Between read cadences: has any rank been signalled or asked to stop? Then the losses are read and the
+        ranks agree at THIS step, so a pre-emption is saved at the next optimizer step, not at the next --log-every
+        one (which can overrun a launcher's or scheduler's kill). N processes all-reduce one flag on the host every
+        step (no device sync; benchmarks/README.md measures what it costs)."""
+        return any(any_rank_on_host(self.accelerator, preemption._requested or self._stop_request is not None))
 
     def _checkpoint_requeue_and_exit(self, requeue: bool) -> None:
         """Pre-empted (SIGUSR1, SIGTERM): a complete checkpoint of this step, requeue (main process; not after a
