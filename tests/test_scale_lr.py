@@ -57,6 +57,32 @@ def test_a_bad_rule_is_one_line_naming_the_choices(capsys):
     assert error.startswith("error:") and "quadratic" in error and "linear" in error and "\n" not in error
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--lr", "1e-323", "--batch-size", "1", "--scale-lr", "linear"], "--lr 9.88131e-324 scaled by --scale-lr linear "
+     "(x 0.015625) is 0, which is invalid; the scaled rate must be a finite number > 0"),
+    (["--lr", "1e308", "--grad-accum", "8", "--scale-lr", "linear"], "--lr 1e+308 scaled by --scale-lr linear (x 8) is "
+     "inf, which is invalid; the scaled rate must be a finite number > 0"),
+    (["--puzzle-emb-lr", "1e308", "--grad-accum", "8", "--scale-lr", "sqrt"], "--puzzle-emb-lr 1e+308 scaled by "
+     "--scale-lr sqrt (x 2.82843) is inf"),
+], ids=["to-zero", "to-inf", "second-rate"])
+def test_the_rate_is_checked_after_scaling(args, said):
+    from toolkit.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        parse_config(PRESETS, args)
+    assert said in str(refused.value)
+
+
+def test_a_scaled_rate_out_of_range_makes_no_run_directory(tmp_path):
+    from conftest import TOY, run_recipe
+
+    result = run_recipe(["--lr", "1e308", "--grad-accum", "8", "--scale-lr", "linear"], recipe=TOY, cwd=tmp_path,
+                        check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "is inf, which is invalid" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+
+
 def test_a_run_made_before_the_flag_resumes_as_none():
     old = {"preset": "small", "lr": 1e-3, "batch_size": 64}
     assert changed_flags(old, {**old, "scale_lr": "none"}) == []

@@ -165,6 +165,11 @@ def _apply_scale_lr(config: TrainConfig, reference: TrainConfig) -> str | None:
     for name in names:
         given = getattr(config, name)
         setattr(config, name, given * factor)
+        scaled = getattr(config, name)
+        if not (math.isfinite(scaled) and scaled > 0):  # validate() saw the rate as given: this one trains
+            raise UsageError(f"--{name.replace('_', '-')} {given:g} scaled by --scale-lr {config.scale_lr} "
+                             f"(x {factor:g}) is {scaled:g}, which is invalid; the scaled rate must be a finite "
+                             f"number > 0")
         rates.append(f"--{name.replace('_', '-')} {given:g} -> {getattr(config, name):g}")
     how = f"{batch} / {base}" if config.scale_lr == "linear" else f"sqrt({batch} / {base})"
     return (f"learning rate scaled ({config.scale_lr}, samples per optimizer step {batch} against the preset's {base}: "
