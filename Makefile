@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 # Parallel test workers (the suite's multi-process tests already use 2 processes each).
 TEST_WORKERS ?= 2
 
-.PHONY: install cpp-tools run test lint format bench mutations clean
+.PHONY: install cpp-tools run test lint format bench mutations faults clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ lint: install
 # Small deliberate bugs, one at a time in a temporary copy, against the tests meant to catch each (not part of test).
 mutations: install
 	$(BIN)/python tests/mutations.py
+
+# Kills, signals and full disks at random moments, each resumed and compared byte for byte with an uninterrupted run
+# (not part of test; about 15 minutes on 2 cores). FAULTS_FLAGS: e.g. --quick, --seed N, --only signal.
+faults: install
+	$(BIN)/python tests/fault_campaign.py $(FAULTS_FLAGS)
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py
