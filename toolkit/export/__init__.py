@@ -54,6 +54,7 @@ before anything is written.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from toolkit.entry import one_line_errors
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         help="aibalance (default: predict, jac, jac_physical and metadata) or soca (MODEL.pt + normalization.MODEL.pt)",
     )
     args = parser.parse_args(argv)
+    check_writable(args.out, "--out")  # before any work: a read-only place failed only at the end, in a traceback
     if args.format == "torchscript":
         _torchscript(args)
     elif args.format == "aoti":
@@ -147,6 +149,17 @@ def main(argv: list[str] | None = None) -> None:
             plot_dir=args.plot,
         )
         print(predict_lines(summary))
+
+
+def check_writable(out: Path, flag: str) -> None:
+    """`out` can be made: its nearest existing directory (missing ones are made) is writable, not on a read-only file
+    system or without permission. One line naming the flag and the place otherwise."""
+    place = Path(out).absolute().parent
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if place.is_dir() and not os.access(place, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {out}: {place} is not writable (a read-only file system or no permission); give a "
+                         "path you can write to")
 
 
 def predict_lines(summary: dict) -> str:
