@@ -53,6 +53,20 @@ def _empty_progress(path):
     path.write_text("{}")
 
 
+@pytest.mark.parametrize("damage", [lambda p: p.unlink(), lambda p: p.write_text("{not json"),
+                                    lambda p: p.write_text('{"run_id": "x"}')], ids=["missing", "garbage", "no-config"])
+def test_a_missing_or_unreadable_config_json_is_named_as_such(finished, damage, tmp_path):
+    """Not "config.json differs ... (--batch-size 256 -> None ...)": an absent file has no values to compare."""
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    damage(copy / "config.json")
+    result = run_recipe([*ARGS, "--max-steps", "12", "--output-dir", str(copy), "--resume-from", "auto"], recipe=TOY,
+                        check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert error_lines(result) == [f"error: --resume-from: {copy}/config.json is missing or unreadable, so the run's "
+                                   "settings cannot be checked; restore it or start a new run"]
+
+
 @pytest.mark.parametrize("damage, name", [
     (_truncate, "model.safetensors"), (_garbage, "optimizer.bin"), (_random_4k, "model.safetensors"),
     (_empty_progress, "progress.json"), (lambda p: p.unlink(), "extra_state.pt"),

@@ -399,7 +399,7 @@ def _check_control_characters(config: TrainConfig) -> None:
 def _check_settings_record(found: Path, run_dir: Path) -> None:
     """The run's config.json must say what the checkpoint recorded it ran with: flags are compared with
     config.json, so an edited config.json would let a resume change what a step computes."""
-    changes = checkpoint.settings_changes(found, _read_config_json(run_dir) or {})
+    changes = checkpoint.settings_changes(found, _readable_config_json(run_dir))
     if changes:
         raise UsageError(f"cannot resume from {found}: {run_dir}/{CONFIG_FILE} differs from the settings that "
                          f"checkpoint was saved with ({'; '.join(changes)}); {CONFIG_FILE} was changed after the "
@@ -445,12 +445,19 @@ def _read_config_json(run_dir: Path) -> dict | None:
     return None
 
 
-def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
-    """The resumed run's config.json; refuses flags that changed what a step computes."""
+def _readable_config_json(run_dir: Path) -> dict:
+    """The resumed run's config.json with its settings, or one line saying that it is missing or unreadable (not
+    that it differs: an absent file has no values to compare)."""
     previous = _read_config_json(run_dir)
-    if previous is None or not isinstance(previous.get("config"), dict):
+    if not isinstance(previous, dict) or not isinstance(previous.get("config"), dict):
         raise UsageError(f"--resume-from: {run_dir}/{CONFIG_FILE} is missing or unreadable, so the run's settings "
                          "cannot be checked; restore it or start a new run")
+    return previous
+
+
+def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
+    """The resumed run's config.json; refuses flags that changed what a step computes."""
+    previous = _readable_config_json(run_dir)
     changed = changed_flags(previous["config"], _config_values(config))
     if changed:
         raise UsageError(f"cannot resume {run_dir} with changed settings: {'; '.join(changed)}; use the run's "
