@@ -45,20 +45,42 @@ def use_run_cache(run_dir: Path) -> Path:
     cache directory, and a run refused before Run.begin must leave nothing behind. Nothing compiles before then:
     torch.compile only wraps the model; dynamo and inductor work at its first call, the first training step."""
     global _chosen, _baseline
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     current = os.environ.get(_ENV)
     # inductor writes its default into the environment when it first looks; a value this process set is ours too
-    ours = current is None or os.path.realpath(current) in (os.path.realpath(default_cache_dir()), _chosen)
+    ours = current is None or os.path.realpath(current) in (os.path.realpath(inductor_default_cache_dir()), _chosen)
     if ours:
         where = os.path.realpath(Path(run_dir) / CACHE_DIR)  # absolute: inductor resolves it when it compiles
         if _chosen and os.environ.get("TRITON_CACHE_DIR", "").startswith(_chosen):
             del os.environ["TRITON_CACHE_DIR"]  # inductor set it under the previous run's cache: follows ours
         os.environ[_ENV] = _chosen = where
         if "torch._inductor.utils" in sys.modules:  # a run before this one in this process memoised its paths
-            sys.modules["torch._inductor.utils"].clear_caches()
+            clear_inductor_caches(sys.modules["torch._inductor.utils"])
     _baseline = _counts()
     return Path(run_dir) / CACHE_DIR if ours else Path(current)
+
+
+def inductor_default_cache_dir() -> str:
+    """Inductor's default TORCHINDUCTOR_CACHE_DIR, /tmp/torchinductor_$USER: torch 2.6+ has it as
+    torch._inductor.runtime.cache_dir_utils.default_cache_dir; torch 2.4 computes the same path inline in
+    torch._inductor.runtime.runtime_utils.cache_dir(), as here."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        import getpass
+        import re
+        import tempfile
+
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return default_cache_dir()
+
+
+def clear_inductor_caches(utils) -> None:
+    """Forget the paths inductor memoised (torch._inductor.utils, passed in): `clear_caches` in newer torch (2.8,
+    2.13), `clear_inductor_caches` in torch 2.4 (the same loop over the functools caches it registered; 2.6 has no
+    clear_caches either)."""
+    clear = getattr(utils, "clear_caches", None) or utils.clear_inductor_caches
+    clear()
 
 
 def _counts() -> dict[str, int]:
@@ -78,11 +100,24 @@ def describe_first_step(seconds: float, where: Path | str) -> str:
     took = f"torch.compile: first step took {seconds:.1f} s"
     not_cached = f"; {bypass} graph(s) not cacheable" if bypass else ""
     if graphs == 0:
+        if not fx_graph_cache_on():  # the counters count cache lookups: none without the cache (torch 2.4's default)
+            return (
+                f"{took} (inductor's FX graph cache is off in torch {torch.__version__}: later lives compile "
+                "again; TORCHINDUCTOR_FX_GRAPH_CACHE=1 turns it on)"
+            )
         return f"{took} (no graph compiled in it)"
     if miss == 0 and hit:
         return f"{took} (cache: warm, {hit} graph(s) reused from {where}{not_cached})"
     state = "cold" if hit == 0 else f"partly warm, {hit} of {graphs} graph(s) reused"
     return f"{took} (compiling {miss + bypass} graph(s); cache: {state}, {where}{not_cached}); later lives reuse it"
+
+
+def fx_graph_cache_on() -> bool:
+    """Whether inductor caches compiled graphs (torch._inductor.config.fx_graph_cache): on by default in torch 2.13,
+    off by default in 2.4 (TORCHINDUCTOR_FX_GRAPH_CACHE=1 turns it on)."""
+    import torch._inductor.config
+
+    return bool(torch._inductor.config.fx_graph_cache)
 
 
 def describe_capture() -> str | None:

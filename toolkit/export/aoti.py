@@ -9,12 +9,17 @@ from pathlib import Path
 
 from toolkit.errors import UsageError
 from toolkit.export.load import load_run, quiet_torch_internals
+from toolkit.torch_floor import AOTI, require_torch
+
+AOTI_INSTEAD = ("pip install 'torch>=2.6', or export TorchScript for C++ instead (python -m toolkit.export "
+                "torchscript RUN_DIR --out emulator.pt)")
 
 
 def export_aoti(run_dir: Path | str, out: Path | str, step: int | None = None) -> dict:
     """Write the AOTInductor package (.pt2); returns its meta (also in the package's metadata)."""
     from toolkit.models.ufs_emulator import ExportedEmulator
 
+    require_torch(AOTI, "python -m toolkit.export aoti", AOTI_INSTEAD)
     out = Path(out)
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out}/emulator.pt2")

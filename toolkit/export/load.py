@@ -126,9 +126,8 @@ def quiet_torch_internals():
     FX graph whose pytree LeafSpec warns about its own deprecated isinstance check (a FutureWarning). Narrow
     filters, by message: any other warning still shows."""
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning
-        )
+        for category in (DeprecationWarning, FutureWarning):  # a FutureWarning in torch 2.15
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=category)
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
         )
@@ -138,6 +137,10 @@ def quiet_torch_internals():
 def load_package(path: Path | str):
     """(the compiled program, its meta) from a package written by export_aoti; the program maps x [n, inputs]
     float64 to (predictions, jacobian)."""
+    from toolkit.torch_floor import AOTI, require_torch
+
+    require_torch(AOTI, "an AOTInductor package (--model .pt2)",
+                  "pip install 'torch>=2.6', or predict from the run directory (predict RUN_DIR ...)")
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"

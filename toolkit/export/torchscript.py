@@ -46,12 +46,19 @@ SUFFIXES = (".pt", ".ts")  # SOCA's files are .pt (test/Data/mlbalance/arctic.pt
 NO_LEVEL = -1  # aibalance's ufs_emulator.cpp:44-45, 96-99: a level below 0 is "No level specified"
 
 
+# torch's notice for each torch.jit call: "`torch.jit.script` is deprecated. Please switch to ...", and on Python
+# 3.14+ "`torch.jit.script` is not supported in Python 3.14+ and may break. ..." (torch/jit/_script.py, 2.15)
+JIT_DEPRECATED = r"`torch\.jit\.\w+` is (deprecated|not supported in Python 3\.\d+\+)"
+
+
 @contextmanager
 def quiet_torchscript() -> Iterator[None]:
-    """Silence the deprecation warnings that torch 2.13 raises for the TorchScript calls of this export
-    (`torch.jit.script` is deprecated ..., `torch.jit.load` is deprecated ...), here only."""
+    """Silence the deprecation warnings that torch raises for the TorchScript calls of this export
+    (`torch.jit.script` is deprecated ..., `torch.jit.load` is deprecated ...), here only: a DeprecationWarning
+    in torch 2.13, a FutureWarning (shown by default) in 2.15, the same message."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", message=JIT_DEPRECATED, category=category)
         yield
 
 
