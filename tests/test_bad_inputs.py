@@ -240,3 +240,32 @@ def test_fresh_start_refuses_a_directory_that_holds_a_run(tmp_path):
     _fails_with(result, "--output-dir", "already holds a run", "--resume-from auto")
     assert keep.read_text() == "user data"
     shutil.rmtree(out)
+
+
+def test_every_float_flag_is_refused_for_nan_and_inf_unless_the_recipe_allows_it():
+    """A recipe's own float flag (a new family's --noise) had no check: `--noise nan` made a run directory and failed
+    at step 1. Every float flag is now refused at parsing, unless the recipe names it in non_finite_allowed."""
+    import dataclasses
+
+    from toolkit.config import TrainConfig, parse_config
+    from toolkit.errors import UsageError
+
+    @dataclasses.dataclass
+    class Noisy(TrainConfig):
+        noise: float = 0.1
+        bound: float = 1.0
+        log_with: str = "none"
+
+    for flag, value in [("--noise", "nan"), ("--bound", "inf"), ("--max-grad-norm", "-inf"),
+                        ("--dist-timeout", "nan")]:
+        with pytest.raises(UsageError) as refused:
+            parse_config(Noisy, [flag, value])
+        assert f"{flag} {float(value)} is invalid" in str(refused.value), refused.value
+
+    @dataclasses.dataclass
+    class Unbounded(Noisy):
+        non_finite_allowed = frozenset({"bound"})
+
+    assert parse_config(Unbounded, ["--bound", "inf"]).bound == float("inf")
+    with pytest.raises(UsageError):
+        parse_config(Unbounded, ["--noise", "nan"])

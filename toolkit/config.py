@@ -27,6 +27,11 @@ from toolkit.errors import UsageError
 
 @dataclass
 class TrainConfig:
+    # Float flags that may be nan or inf (a recipe's own choice, e.g. "no bound" as inf). Every other float flag is
+    # refused for them at parsing: `--noise nan` made a run directory and failed at the first step. A plain class
+    # attribute, not a field (no annotation): not a flag.
+    non_finite_allowed = frozenset()
+
     preset: tyro.conf.Suppress[str | None] = None
     """The preset the defaults came from (set by parse_config from `--preset NAME`, not a flag of its own)."""
     output_dir: Path | None = None
@@ -259,6 +264,10 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--dist-timeout {config.dist_timeout} is invalid; give seconds > 0")
     if not (config.max_loss_ratio == 0 or (config.max_loss_ratio > 1 and math.isfinite(config.max_loss_ratio))):
         raise UsageError(f"--max-loss-ratio {config.max_loss_ratio} is invalid; give a number > 1, or 0 for off")
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value) and field.name not in config.non_finite_allowed:
+            raise UsageError(f"--{field.name.replace('_', '-')} {value} is invalid; it must be a finite number")
 
 
 # Flags that may differ when a run is resumed: they change how long it runs, what it logs, where and how often it
