@@ -73,7 +73,7 @@ def train(run: Run, cfg: DigitsConfig) -> dict:
     valid_loader, test_loader = (DataLoader(s, batch_size=cfg.batch_size) for s in (valid_set, test_set))
 
     model = nn.Sequential(nn.Conv2d(1, cfg.channels, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),
-                          KeyedDropout(cfg.dropout), nn.Flatten(), nn.Linear(cfg.channels * 16, 10))
+                          KeyedDropout(cfg.dropout, batch_dim=0), nn.Flatten(), nn.Linear(cfg.channels * 16, 10))
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr)
     run.print(model_line(f"CNN {cfg.channels} channels", model))
     model, optimizer, train_loader, valid_loader, test_loader = accelerator.prepare(

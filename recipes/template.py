@@ -69,7 +69,7 @@ def train(run: Run, cfg: TemplateConfig) -> dict:
     train_loader = DataLoader(train_set, batch_sampler=order)
     valid_loader, test_loader = (DataLoader(s, batch_size=cfg.batch_size) for s in (valid_set, test_set))
 
-    model = nn.Sequential(nn.Linear(cfg.features, cfg.hidden), nn.GELU(), KeyedDropout(cfg.dropout),
+    model = nn.Sequential(nn.Linear(cfg.features, cfg.hidden), nn.GELU(), KeyedDropout(cfg.dropout, batch_dim=0),
                           nn.Linear(cfg.hidden, 1))
     optimizer = make_optimizer("adamw", model.parameters(), lr=cfg.lr)
     model, optimizer, train_loader, valid_loader, test_loader = accelerator.prepare(

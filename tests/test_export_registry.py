@@ -17,7 +17,7 @@ from toolkit.randomness import KeyedDropout
 
 def _template_mlp(config: dict, weights: dict) -> nn.Module:
     model = nn.Sequential(nn.Linear(config["features"], config["hidden"]), nn.GELU(),
-                          KeyedDropout(config["dropout"]), nn.Linear(config["hidden"], 1))
+                          KeyedDropout(config["dropout"], batch_dim=0), nn.Linear(config["hidden"], 1))
     model.load_state_dict(weights)
     return model
 

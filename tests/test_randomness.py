@@ -65,6 +65,30 @@ def test_training_negatives_can_be_a_users_held_out_items(movielens_cache):
     assert drawn.float().mean() > 0.5  # 2000 draws from ~1650 items: most held-out items come up
 
 
+def test_keyed_dropout_keys_the_samples_along_the_batch_dimension_it_is_given():
+    """A sequence-first input [T, B, H] (a GRU's default): with batch_dim=1 each rank's half of the batch gets the
+    mask the whole batch gives those samples, and the mask equals the batch-first one transposed. batch_dim is
+    required: it was silently 0, which keyed the time steps, and 1 and 2 processes drifted apart."""
+    from toolkit import randomness
+
+    x = torch.ones(6, 8, 3)  # [time, batch, features]
+    dropout = randomness.KeyedDropout(0.5, batch_dim=1)
+    randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
+    whole = dropout(x)
+    randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
+    batch_first = randomness.KeyedDropout(0.5, batch_dim=0)(x.transpose(0, 1).contiguous())
+    halves = []
+    for rank in range(2):
+        randomness.begin_micro_batch(seed=1, key=7, rank=rank, world_size=2)
+        halves.append(dropout(x[:, rank * 4:(rank + 1) * 4]))
+    randomness.end_micro_batches()
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    assert torch.equal(batch_first.transpose(0, 1), whole)
+    assert "batch_dim=1" in repr(dropout)
+    with pytest.raises(TypeError):
+        randomness.KeyedDropout(0.5)  # the dimension must be said
+
+
 def test_keyed_dropout_masks_a_sample_the_same_on_any_rank():
     from toolkit import randomness
 

@@ -137,7 +137,7 @@ def train(run: Run, cfg: ToyConfig) -> dict:
     train_loader = DataLoader(Rows(x[:split], y[:split]), batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     valid_loader = DataLoader(Rows(x[split:], y[split:]), batch_size=cfg.batch_size)
 
-    dropout = nn.Dropout(cfg.dropout) if cfg.plain_dropout else KeyedDropout(cfg.dropout)
+    dropout = nn.Dropout(cfg.dropout) if cfg.plain_dropout else KeyedDropout(cfg.dropout, batch_dim=0)
     model = nn.Sequential(nn.Linear(cfg.features + 1, cfg.hidden), nn.Tanh(), dropout, nn.Linear(cfg.hidden, 1))
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr)
     model, optimizer, train_loader, valid_loader = accelerator.prepare(model, optimizer, train_loader, valid_loader)

@@ -352,7 +352,7 @@ class SASRec(nn.Module):
         self.item_embedding = nn.Embedding(num_items + 1, hidden, padding_idx=0)
         if not time_aware:  # TiSASRec adds positions inside each attention layer instead
             self.position_embedding = nn.Embedding(maxlen, hidden)
-        self.embedding_dropout = KeyedDropout(dropout)
+        self.embedding_dropout = KeyedDropout(dropout, batch_dim=0)
         self.blocks = nn.ModuleList(
             Block(hidden, heads, dropout, norm, time_aware=time_aware, maxlen=maxlen, time_span=time_span)
             for _ in range(blocks)
