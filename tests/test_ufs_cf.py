@@ -137,6 +137,26 @@ def test_a_pair_stored_otherwise_gives_the_same_patterns(case, pair, accelerator
     assert any(said in line for line in describe_layout(other.meta)), describe_layout(other.meta)
 
 
+@pytest.mark.parametrize("names", [{}, {"lat": "b", "lon": "a"}], ids=["lat-lon", "names-that-say-nothing"])
+def test_a_pair_stored_lon_lat_gives_the_patterns_in_the_order_of_lat_lon(names, pair, accelerator, tmp_path):
+    """Both files' fields stored (lon, lat[, lev]): the cells are numbered by latitude row, then longitude, as when
+    stored (lat, lon), so the patterns and their order are the same; under dimension names that say neither, the 1-D
+    latitude and longitude tell the rows from the columns."""
+    ocean, atmos = pair
+    turned = {}
+    for which, path in (("ocean", ocean), ("atmos", atmos)):
+        with xr.open_dataset(path) as ds:
+            ds.load().transpose("lon", "lat", ...).rename_dims(names).to_netcdf(tmp_path / f"{which}.nc")
+        turned[which] = tmp_path / f"{which}.nc"
+    with xr.open_dataset(turned["ocean"]) as ds:
+        assert ds["sea_water_potential_temperature"].dims == (names.get("lon", "lon"), names.get("lat", "lat"), "lev")
+    plain = load_patterns(accelerator, ocean, atmos_path=atmos, domain="aibalance-b1eccbc", seed=1)
+    other = load_patterns(accelerator, turned["ocean"], atmos_path=turned["atmos"], domain="aibalance-b1eccbc", seed=1)
+    assert other.meta["grid"] == plain.meta["grid"] == [16, 32]
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        assert torch.equal(getattr(other, name), getattr(plain, name)), name
+
+
 def _empty_level(ds):
     ds["sea_water_salinity"] = (("lat", "lon", "nlev"), np.zeros((ds.sizes["lat"], ds.sizes["lon"], 0), np.float32))
     return ds

@@ -557,6 +557,46 @@ def test_a_field_stored_as_ni_nj_is_read_by_dimension_name(square, grid_file, ac
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
+def _stored_as_ni_nj_throughout(ds):
+    """Every variable on the grid, fields, mask and latitudes alike, stored (time, ni, nj) / (ni, nj)."""
+    _stored_as_ni_nj(ds, [name for name in ds.data_vars if {"nj", "ni"} <= set(ds[name].dims)])
+
+
+@pytest.mark.parametrize("flags", [{}, {"thin": 3, "max_patterns": 300}, {"hemisphere": "south", "open_water": False}],
+                         ids=["default", "thin-and-cap", "south-ice-only"])
+def test_a_file_stored_ni_nj_throughout_gives_the_patterns_in_the_order_of_nj_ni(flags, grid_file, accelerator,
+                                                                                  tmp_path):
+    """The cells are numbered rows then columns ((nj, ni)) whatever the order the file stores them in: the same data
+    stored (ni, nj) throughout gives the same patterns in the same order, the same validation split, the same cap
+    and the same statistics (read in the stored order, the cells came in another order: another split and another
+    training run from the same seed)."""
+    turned = _edited(grid_file, tmp_path / "turned.nc", _stored_as_ni_nj_throughout)
+    with xr.open_dataset(turned) as ds:
+        assert ds["sst"].dims == ("time", "ni", "nj") and ds["aice"].dims == ("time", "ni", "nj")
+        assert ds["tmask"].dims == ds["TLAT"].dims == ("ni", "nj")
+    expected, got = load_patterns(accelerator, grid_file, seed=1, **flags), load_patterns(accelerator, turned, seed=1,
+                                                                                           **flags)
+    assert got.meta["grid"] == expected.meta["grid"] == [60, 120]
+    assert got.meta["patterns"] == expected.meta["patterns"] > 100
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "input_mean", "input_std",
+                 "output_mean", "output_std"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_a_field_under_names_that_say_nothing_follows_the_grid_by_its_sizes(grid_file, accelerator, tmp_path):
+    """Every field stored (ni, nj) but hi, stored as (time, a, b) in the same layout: the other fields are read
+    (nj, ni), and hi, whose names say nothing, is read transposed by its sizes (120 x 60 on a 60 x 120 grid)."""
+
+    def edit(ds):
+        _stored_as_ni_nj_throughout(ds)
+        ds["hi"] = (("time", "a", "b"), ds["hi"].values, ds["hi"].attrs)
+
+    odd = _edited(grid_file, tmp_path / "odd.nc", edit)
+    expected, got = load_patterns(accelerator, grid_file, seed=1), load_patterns(accelerator, odd, seed=1)
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
 def test_fields_without_units_in_their_plausible_range_are_accepted(grid_file, accelerator, tmp_path):
     bare = _edited(grid_file, tmp_path / "bare.nc", lambda ds: [_without_units(ds, n) for n in [*FIELDS, "aice"]])
     with xr.open_dataset(bare) as ds:

@@ -213,6 +213,21 @@ def test_early_stopping_ends_the_run_and_verify_accepts_it(data, tmp_path):
     assert verify_run(out) == []
 
 
+def test_a_file_stored_ni_nj_throughout_trains_the_same_weights_as_nj_ni(data, tmp_path):
+    """The same data stored (ni, nj) gives the run of the file stored (nj, ni), bit for bit: one cell order."""
+    ds = xr.open_dataset(data, engine="netcdf4").load()
+    turned = tmp_path / "turned.nc"
+    ds.transpose(..., "ni", "nj").to_netcdf(turned, engine="netcdf4")
+    with xr.open_dataset(turned) as check:
+        assert check["sst"].dims == ("time", "ni", "nj") and check["tmask"].dims == ("ni", "nj")
+    runs = {name: tmp_path / name for name in ("plain", "turned")}
+    for name, path in (("plain", data), ("turned", turned)):
+        ufs(["--max-steps", "3", "--eval-every-steps", "100", "--output-dir", str(runs[name])], path)
+    plain, other = final_weights(runs["plain"], 3), final_weights(runs["turned"], 3)
+    assert plain.keys() == other.keys() and all(torch.equal(plain[k], other[k]) for k in plain)
+    assert logged_losses(runs["plain"]) == logged_losses(runs["turned"])
+
+
 # ---- bad inputs: one error line, exit 2, the directory tree unchanged -----------------------------------------
 
 

@@ -28,13 +28,16 @@ depend on how the patterns were sharded.
 
 Dimensions are matched by name, never by position: a field stored as (ni, nj) beside fields stored as (nj, ni) is
 read transposed back (`by_name`); one whose dimension names share nothing with the first field's is refused on a
-square grid, where sizes cannot tell rows from columns.
+square grid, where sizes cannot tell rows from columns. The cells are numbered in one order, rows then columns
+((nj, ni), (lat, lon): `canonical`, by dimension name, or by a Gaussian file's 1-D latitude and longitude), whatever
+the order a file stores them in: the same data stored (ni, nj) gives the same patterns in the same order, and the
+same run.
 
 Bad input is one UsageError line naming the file and what is wrong: a missing or unreadable file, a missing
 variable (with the names tried), two variables in one file for one input (naming both), two files on different
-grids, a field that is not 2-D, an all-masked domain, latitudes outside -90 .. 90 in the masked cells, NaNs in a
-field inside the domain (with their count), values outside the physical range of the field's units (with no
-units attribute: of what its name names, in any of its usual units).
+grids, a field that is not 2-D, an all-masked domain, latitudes NaN/inf or outside -90 .. 90 in the masked cells
+(with their count and the first cell), NaNs in a field inside the domain (with their count), values outside the
+physical range of the field's units (with no units attribute: of what its name names, in any of its usual units).
 
 The generator writes such a file: the 14 fields on a lat/lon grid with plausible ranges and units (land cells are
 fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
@@ -201,14 +204,35 @@ def grid_field(ds, name: str, path: Path | str, like: tuple | None = None, varia
             "grid field (leading length-1 dimensions such as time are allowed), or (y, x, level) on a grid that "
             "the file's latitude/longitude variables name"
         )
-    return array if like is None else by_name(array, shown, *like, path)
+    return canonical(array) if like is None else by_name(array, shown, *like, path)
+
+
+# The grid's dimension names by what they index: rows (latitude-like, y) and columns (longitude-like, x). CICE's
+# nj/ni, CF's lat/lon, MOM6's yh/xh and yq/xq, FV3's grid_yt/grid_xt, POP's nlat/nlon, and plain y/x, j/i.
+ROW_DIMS = frozenset({"nj", "j", "y", "lat", "latitude", "yh", "yq", "yt", "grid_yt", "nlat", "rlat", "south_north"})
+COLUMN_DIMS = frozenset({"ni", "i", "x", "lon", "longitude", "xh", "xq", "xt", "grid_xt", "nlon", "rlon", "west_east"})
+
+
+def canonical(array):
+    """A 2-D field in the one cell order the patterns are numbered in, rows then columns ((nj, ni), (lat, lon)),
+    whatever the order it is stored in: transposed when its dimension names say it is stored (columns, rows). The
+    first field's order is every other field's (by_name), so a file stored (ni, nj) throughout gives the patterns,
+    their order, the validation coin and the cap of the file stored (nj, ni). Names that say neither are taken as
+    stored."""
+    if array.ndim != 2:
+        return array
+    first, second = (str(d).lower() for d in array.dims)
+    turned = first in COLUMN_DIMS or second in ROW_DIMS
+    straight = first in ROW_DIMS or second in COLUMN_DIMS
+    return array.transpose(*array.dims[::-1]) if turned and not straight else array
 
 
 def by_name(array, name: str, like_name: str, like, path: Path | str):
     """`array` (2-D) with its dimensions in like's order, matched by name: a field stored as (ni, nj) beside fields
     stored as (nj, ni) is read transposed back, never row for column. With one name in common, that name fixes the
     order. With none, only sizes could tell, and only on a grid that is not square: there the array is taken as it
-    is (another shape is refused by the caller's grid check); on a square grid it is refused."""
+    is, or transposed when its shape is like's reversed (another shape is refused by the caller's grid check); on a
+    square grid it is refused."""
     own, dims = tuple(str(d) for d in array.dims), tuple(str(d) for d in like.dims)
     if own == dims:
         return array
@@ -224,7 +248,7 @@ def by_name(array, name: str, like_name: str, like, path: Path | str):
             f"({', '.join(dims)}): no name in common, and on a square {array.shape[0]} x {array.shape[1]} grid the "
             "sizes cannot tell rows from columns; give every field the same dimension names (ncrename -d OLD,NEW)"
         )
-    return array
+    return array.transpose(*array.dims[::-1]) if array.shape[::-1] == like.shape else array
 
 
 @dataclass
@@ -404,6 +428,9 @@ def field_view(sources: list[Source], found: dict[str, tuple[Source, str]], mask
         arrays[key], level = at_surface(source.ds[var], var, source, grids)
         if level is not None:
             levels[key] = level
+        if own is not None and own.gaussian and arrays[key].ndim == 2 and set(map(str, arrays[key].dims)) == set(
+                own.dims):  # 1-D latitude and longitude name the rows and the columns whatever the dimension names
+            arrays[key] = arrays[key].transpose(*own.dims)
     gaussian_pair = len(sources) > 1 and all(a is not None and a.gaussian for a in axes.values())
     if gaussian_pair:  # the atmosphere's grid dimensions under the ocean's names: its fields are matched by them
         reference, other = sources
