@@ -3,7 +3,8 @@
 Takes exactly the arguments of `accelerate launch`. What it adds:
 - a rendezvous timeout (`--rdzv_conf timeout=`, default 120 s, or $TOOLKIT_RDZV_TIMEOUT) so a machine that cannot
   reach the head node stops instead of waiting torchrun's 600 s;
-- one `error:` line, no traceback, for an unreachable head node, a port already in use, and for each worker that
+- one `error:` line, no traceback and none of torchrun's log lines, for an unreachable head node, a port already in
+  use, and for each worker that
   failed (rank, local rank, pid, host, exit status or signal). The workers' own errors are printed by the workers;
   when they failed on a usage error (exit status 2; the others stopped by the agent) rank 0 has already said what
   was wrong in one line, and the launcher adds nothing and exits 2;
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
     from toolkit.errors import UsageError
 
     shutdown.not_a_worker()
+    quiet_torchrun_logs()
 
     if os.environ.pop("_TOOLKIT_QUIET_LAUNCHER", None):
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)  # quiet launcher (see __main__), normal workers
@@ -74,6 +76,18 @@ def main(argv: list[str]) -> int:
         print(f"launcher: {signal.Signals(forwarded[-1]).name} forwarded to the workers; they checkpointed and "
               "stopped (continue with --resume-from auto)", file=sys.stderr, flush=True)
     return 0
+
+
+def quiet_torchrun_logs() -> None:
+    """torchrun's agent logs each stop and failure ("Sending process N closing signal SIGTERM", "failed (exitcode:
+    2) local_rank: 0 ..."): two lines after a recipe's one-line usage error, and beside this launcher's own line for
+    a failed worker or a forwarded signal, which say the same. Its loggers (torch.distributed.elastic.*) end at a
+    handler that drops them, in the launcher's process only: the workers log as they would."""
+    import logging
+
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(logging.NullHandler())  # handled: logging's last-resort stderr handler stays out too
+    elastic.propagate = False
 
 
 def forward_signals_to_workers() -> list[int]:
