@@ -40,6 +40,33 @@ Call Stack (most recent call first):
 See also "/tmp/cuda241-build/CMakeFiles/CMakeOutput.log".
 """
 
+# torch 2.15.0's CUDA wheel (PyPI), no CUDA toolkit: the same stop, reached through find_dependency
+SITE_2_15 = "/work/main/.cache/smoke/venv-torch-2.15.0/lib/python3.11/site-packages"
+CUDA_BUILD_2_15 = f"""-- Detecting CXX compile features - done
+-- Could NOT find CUDA (missing: CUDA_INCLUDE_DIRS CUDA_CUDART_LIBRARY) (found version "13.0")
+CMake Warning at {SITE_2_15}/torch/share/cmake/Caffe2/public/cuda.cmake:40 (message):
+  PyTorch: CUDA cannot be found.  Depending on whether you are building
+  PyTorch or a PyTorch dependent library, the next warning / error will give
+  you more info.
+Call Stack (most recent call first):
+  {SITE_2_15}/torch/share/cmake/Caffe2/Caffe2Config.cmake:84 (include)
+  /usr/share/cmake-3.25/Modules/CMakeFindDependencyMacro.cmake:47 (find_package)
+  {SITE_2_15}/torch/share/cmake/Torch/TorchConfig.cmake:62 (find_dependency)
+  CMakeLists.txt:13 (find_package)
+
+
+CMake Error at {SITE_2_15}/torch/share/cmake/Caffe2/Caffe2Config.cmake:88 (message):
+  Your installed Caffe2 version uses CUDA but I cannot find the CUDA
+  libraries.  Please set the proper CUDA prefixes and / or install CUDA.
+Call Stack (most recent call first):
+  /usr/share/cmake-3.25/Modules/CMakeFindDependencyMacro.cmake:47 (find_package)
+  {SITE_2_15}/torch/share/cmake/Torch/TorchConfig.cmake:62 (find_dependency)
+  CMakeLists.txt:13 (find_package)
+
+
+-- Configuring incomplete, errors occurred!
+"""
+
 # Our CMakeLists.txt with a typo (target_link_librarie), torch 2.13's CPU wheel
 OURS = """-- The CXX compiler identification is GNU 12.2.0
 CMake Warning at /work/main/.venv/lib/python3.11/site-packages/torch/share/cmake/Torch/TorchConfig.cmake:22 (message):
@@ -68,12 +95,12 @@ gmake: *** [Makefile:91: all] Error 2
 """
 
 
-def test_a_cuda_build_without_the_cuda_toolkit_skips_with_cmakes_reason():
-    reason = environment_problem(CUDA_BUILD_2_4, SOURCES)
-    assert reason == (
+@pytest.mark.parametrize(("output", "line"), [(CUDA_BUILD_2_4, 90), (CUDA_BUILD_2_15, 88)], ids=["2.4.1", "2.15.0"])
+def test_a_cuda_build_without_the_cuda_toolkit_skips_with_cmakes_reason(output, line):
+    assert environment_problem(output, SOURCES) == (
         "Your installed Caffe2 version uses CUDA but I cannot find the CUDA libraries. Please set the proper CUDA "
         "prefixes and / or install CUDA.; Could NOT find CUDA (missing: CUDA_INCLUDE_DIRS CUDA_CUDART_LIBRARY) (found "
-        'version "13.0") (Caffe2Config.cmake:90)'
+        f'version "13.0") (Caffe2Config.cmake:{line})'
     )
 
 
