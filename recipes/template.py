@@ -1,6 +1,6 @@
 """Template: the smallest complete recipe; copy it to start a new family (README, "Writing a recipe").
 
-    python recipes/template.py --max-steps 40
+    python recipes/template.py --max-steps 40     # --preset wide: the second preset
     python -m toolkit launch --config_file accelerate_configs/cpu_2proc.yaml recipes/template.py --resume-from auto
 
 A two-layer MLP learns y = sin(x . w) on generated data. All the toolkit promises holds for it as written: bit-exact
@@ -38,6 +38,11 @@ class TemplateConfig(TrainConfig):
     log_with: str = "csv"
 
 
+# --preset NAME (`python -m toolkit ls`): the first is the default; flags override. Published settings go here too.
+PRESETS = {"small": ("2,048 generated samples, hidden 32, 5 epochs: seconds on a CPU", TemplateConfig()),
+           "wide": ("20,480 samples, hidden 256, 20 epochs", TemplateConfig(samples=20480, hidden=256, epochs=20))}
+
+
 def check(cfg: TemplateConfig) -> None:
     """The recipe's own checks: one line naming the flag, before anything is made (sweeps run them too)."""
     require_at_least(cfg, 1, "samples", "features", "hidden")
@@ -55,7 +60,7 @@ def generated_data(cfg: TemplateConfig) -> tuple[TensorDataset, TensorDataset, T
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(TemplateConfig, argv, description=__doc__, check=check)
+    cfg = parse_config(PRESETS, argv, description=__doc__, check=check)
     with start_run(cfg, recipe="template") as run:  # ends the process group on every path
         return train(run, cfg)
 

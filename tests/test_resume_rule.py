@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA_CACHE, TINY, TOY, load_recipe, run_recipe
+from toolkit.catalog import REPO_RECIPES, find_recipes
 from toolkit.errors import UsageError
 from toolkit.run import RESUMABLE_CHANGES, _config_values, _previous_config
 
-RECIPES = ("sasrec", "dcrnn", "hrm", "ufs_emulator", TOY)
+# Every recipe `python -m toolkit ls` finds, and the toolkit API's toy: a new recipe is covered (and needs a RUNS
+# entry below, which the resume test asks for by name).
+RECIPES = (*(entry.name for entry in find_recipes(REPO_RECIPES)), TOY)
 
 # The straight run: 6 steps, checkpoints at 3 and 6. The resumed life starts from a copy's step_3 with every
 # resumable field changed (a function of the copy's directory and a scratch folder), and runs to step 7.
@@ -117,8 +120,14 @@ RUNS = {
             "--batch-size", "16", "--halt-max-steps", "2", "--exploration-prob", "0.5", "--warmup-steps", "2",
             "--threads", "1", "--log-with", "csv"],
     "ufs_emulator": ["--batch-size", "40", "--log-with", "csv"],
+    "template": ["--samples", "512", "--log-with", "csv"],
     TOY: ["--log-with", "csv"],
 }
+
+
+def test_the_recipes_are_those_toolkit_ls_lists_and_each_has_a_tiny_run():
+    assert {"sasrec", "dcrnn", "hrm", "ufs_emulator", "template"} <= set(RECIPES)
+    assert set(RECIPES) == set(RUNS), f"give each recipe a tiny run in RUNS: {set(RECIPES) ^ set(RUNS)}"
 
 
 @pytest.fixture(scope="module")
