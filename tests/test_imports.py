@@ -93,6 +93,17 @@ def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
         assert capfd.readouterr().err.splitlines() == [f"error: {error}"]
 
 
+def test_what_a_run_writes_names_each_file_of_the_layout():
+    """The README's "What a run writes" names every file toolkit.rundir names (model.safetensors was missing)."""
+    from toolkit import rundir
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## What a run writes"):]
+    section = section[:section.index("\n## ", 1)]
+    names = [value for key, value in vars(rundir).items() if key.endswith(("_FILE", "_DIR")) and isinstance(value, str)]
+    assert "model.safetensors" in names and [name for name in names if name not in section] == []
+
+
 def test_the_run_directory_layout_is_named_once():
     """No module of the toolkit spells a run directory's file names itself: they come from toolkit.rundir."""
     names = ('"config.json"', '"summary.json"', '"metrics.csv"', '"log.csv"', '"model.safetensors"')

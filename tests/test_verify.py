@@ -147,6 +147,19 @@ def test_unfinished_and_non_finite_values(damaged):
     assert has(problems, "results:", "best_metrics", "val_full_ndcg@10")
 
 
+def test_the_epoch_count_agrees_with_metrics_csv(finished_run, damaged):
+    """verify said "epochs 1 of 3" for a run whose metrics.csv's last row is in epoch 2 (stopped inside it by
+    --max-steps): it says both now, and a summary whose count cannot be metrics.csv's fails."""
+    done = json.loads((finished_run / "summary.json").read_text())["epochs_completed"]
+    last = int(list(csv.DictReader(open(finished_run / "metrics.csv")))[-1]["epoch"])
+    assert last in (done, done + 1)
+    said = verify_cli(finished_run).stdout
+    inside = f", stopped inside epoch {last}" if last != done else ""
+    assert f"; epochs {done} of " in said and f" completed{inside}; world size" in said, said
+    edit_json(damaged / "summary.json", epochs_completed=last + 3)
+    assert has(verify_run(damaged), "metrics:", f"last row is in epoch {last}", f"{last + 3} epoch(s) completed")
+
+
 def test_not_a_directory_is_a_usage_error(tmp_path):
     result = verify_cli(tmp_path / "nowhere")
     assert result.returncode == 2 and "nowhere" in result.stderr and "not a directory" in result.stderr

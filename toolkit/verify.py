@@ -216,6 +216,10 @@ def _metrics(rows: list[dict] | None, columns: list[str], summary: dict | None) 
     final_step = _integer(summary.get("global_step")) if summary else None
     if known and final_step is not None and known[-1] != final_step:
         check.problems.append(f"{METRICS_FILE}'s last step {known[-1]} != summary global_step {final_step}")
+    done, last_epoch = _integer((summary or {}).get("epochs_completed")), _integer(rows[-1].get("epoch"))
+    if done is not None and last_epoch is not None and last_epoch not in (done, done + 1):  # 1-based: the row's epoch
+        check.problems.append(f"{METRICS_FILE}'s last row is in epoch {last_epoch}, but {SUMMARY_FILE} says "
+                              f"{done} epoch(s) completed (expected epoch {done}, or {done + 1} stopped inside)")
     if "train_loss" in columns:
         bad = [i + 2 for i, row in enumerate(rows) if _number(row.get("train_loss")) is None]
         if bad:
@@ -389,6 +393,7 @@ def _figures(config: dict | None, summary: dict | None, rows: list[dict] | None)
         "max_steps": settings.get("max_steps"),
         "epochs_completed": summary.get("epochs_completed"),
         "epochs": settings.get("epochs"),
+        "last_row_epoch": _integer(rows[-1].get("epoch")) if rows else None,
         "world_size": summary.get("world_size", config.get("world_size", rows[-1].get("world_size") if rows else None)),
         "backend": config.get("backend"),
         "device": config.get("device"),
@@ -417,8 +422,11 @@ def format_report(report: Report) -> str:
     steps = f"{f['global_step']}" + (f" (max_steps {f['max_steps']})" if f["max_steps"] is not None else "")
     best = ", ".join(f"{k} {_short(v)}" for k, v in list(f["best_metrics"].items())[:4]) or "none"
     throughput = f["throughput_samples_per_sec"]
+    epochs = f"epochs {f['epochs_completed']} of {f['epochs']} completed"
+    if f["last_row_epoch"] is not None and f["last_row_epoch"] != f["epochs_completed"]:  # metrics.csv's epoch: 1-based
+        epochs += f", stopped inside epoch {f['last_row_epoch']}"
     lines += [
-        f"  steps {steps}; epochs {f['epochs_completed']} of {f['epochs']}; world size {f['world_size']}; "
+        f"  steps {steps}; {epochs}; world size {f['world_size']}; "
         f"backend {f['backend'] or 'none'}; device {f['device']}; mixed precision {f['mixed_precision']}",
         f"  best (step {f['best_step']}): {best}",
         f"  throughput {throughput:.1f} samples/s (mean over metrics rows); wall time {f['wall_time_sec']} s"
