@@ -160,6 +160,14 @@ def test_the_epoch_count_agrees_with_metrics_csv(finished_run, damaged):
     assert has(verify_run(damaged), "metrics:", f"last row is in epoch {last}", f"{last + 3} epoch(s) completed")
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(finished_run):
+    """`python -m toolkit verify RUN | head -1` printed a BrokenPipeError traceback."""
+    command = f"{sys.executable} -m toolkit verify {finished_run} | head -1"
+    result = subprocess.run(["bash", "-c", command], cwd=ROOT, env=recipe_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout == f"verify {finished_run}\n" and result.stderr == "", result.stderr
+
+
 def test_not_a_directory_is_a_usage_error(tmp_path):
     result = verify_cli(tmp_path / "nowhere")
     assert result.returncode == 2 and "nowhere" in result.stderr and "not a directory" in result.stderr

@@ -41,6 +41,9 @@ def one_line_errors(main):
         except openmp.RestartUnderPassive as request:  # checkpointed, the run ended: restart once released (below)
             restart = request
             raise
+        except BrokenPipeError:  # `... | head`: the reader left; no traceback, and none at exit's flush either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
         except (UsageError, RunFailed) as error:
             # Rank 0 speaks for all (one line), the others exit quietly.
             if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
