@@ -4,10 +4,9 @@ Takes exactly the arguments of `accelerate launch`. What it adds:
 - a rendezvous timeout (`--rdzv_conf timeout=`, default 120 s, or $TOOLKIT_RDZV_TIMEOUT) so a machine that cannot
   reach the head node stops instead of waiting torchrun's 600 s;
 - one `error:` line, no traceback and none of torchrun's log lines, for an unreachable head node, a port already in
-  use, and for each worker that
-  failed (rank, local rank, pid, host, exit status or signal). The workers' own errors are printed by the workers;
-  when they failed on a usage error (exit status 2; the others stopped by the agent) rank 0 has already said what
-  was wrong in one line, and the launcher adds nothing and exits 2;
+  use, and for each worker that failed (rank, local rank, pid, host, exit status or signal). The workers' own
+  errors are printed by the workers; when they failed on a usage error (exit status 2; the others stopped by the
+  agent) rank 0 has already said what was wrong in one line, and the launcher adds nothing and exits 2;
 - SIGTERM and SIGUSR1 forwarded to the workers, which checkpoint at their next step and exit 0 (toolkit.preemption),
   then one line and exit 0. The launcher sends the signal on to its children (torchrun's workers run in sessions of
   their own, so a signal to the launcher's process group does not reach them). For SIGTERM torchrun's agent does
