@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 # Parallel test workers (the suite's multi-process tests already use 2 processes each).
 TEST_WORKERS ?= 2
 
-.PHONY: install cpp-tools run test lint format bench mutations faults clean
+.PHONY: install cpp-tools run test smoke lint format bench mutations faults clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ cpp-tools:
 
 test: install cpp-tools
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+
+# The smoke job on another torch (its own venv, .cache/smoke/venv-torch-VERSION): every recipe, a resume, 2 processes,
+# every export, --compile. TORCH_VERSION: a release (2.4.1), `oldest` (pyproject's floor) or `newest`.
+smoke: cpp-tools
+	.ci/smoke $(TORCH_VERSION)
 
 lint: install
 	$(BIN)/ruff check .
