@@ -432,7 +432,7 @@ def rank_of(proc: psutil.Process) -> str | None:
     try:
         if not any(part.endswith("faultpoint.py") for part in proc.cmdline()):
             return None
-        return proc.environ().get("RANK", "0")
+        return proc.environ().get("RANK")  # a launcher's own command line names the fault point too
     except psutil.Error:
         return None
 
@@ -593,7 +593,7 @@ def judge_signal(trial: Trial, life: Life, run: Path) -> tuple[list[str], str]:
     problems, steps = [], RECIPES[trial.recipe].steps
     kind, value = trial.moment
     said = re.search(STOP_LINE[trial.sig], life.output)
-    if trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "USR1":
+    if trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "USR1" and not life.ended_first:
         # README: the launcher dies, its workers stop within a second (toolkit.orphans) without a checkpoint
         if life.rc != -signal.SIGUSR1:
             problems.append(f"plain accelerate launch exited {life.rc} after SIGUSR1, not killed by it")
@@ -673,6 +673,7 @@ class Campaigns:
         if "ufs_emulator" in recipes:
             from toolkit.data.ufs import synthesize
 
+            os.environ["TQDM_DISABLE"] = "1"  # no bar from the generator (the recipes' env sets it too)
             self.data["ufs_emulator"] = synthesize(self.root / "ufs-grid.nc", seed=7, nlat=24, nlon=48)
         if "dcrnn" in recipes:
             from toolkit.data.traffic import generate, write_dataset
