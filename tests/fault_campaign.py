@@ -58,16 +58,16 @@ DATA_CACHE = ROOT / ".cache" / "test-data"  # shared with the tests (tests/conft
 BIN = Path(sys.executable).parent
 PYTHON = sys.executable
 
-# Every recipe with the same cadence: checkpoints every 2 steps (the newest 3 kept: pruning runs), evaluations every
-# 4, so step_2 is saved before metrics.csv's first row; the loss read every 5 steps, so a pre-emption acted on at
-# the read cadence instead of the next step shows.
+# Every recipe with the same cadence: checkpoints every 3 steps (the newest 3 kept: pruning runs), evaluations every
+# 4, so step_3 is saved before metrics.csv's first row and a life killed after step 4 resumes from it with a row to
+# cut; the loss read every 5 steps, so a pre-emption acted on at the read cadence instead of the next step shows.
 CADENCE = [
     "--log-with",
     "csv",
     "--log-every",
     "5",
     "--checkpoint-every",
-    "2",
+    "3",
     "--eval-every-steps",
     "4",
     "--keep-checkpoints",
@@ -245,15 +245,15 @@ SETUPS = {  # (processes, launcher, target)
 # metrics row and at the first checkpoint among them. Their fractions and disk sizes still come from the seed.
 PINNED = {
     "kill": [
-        ("toy", 1, "python", "process", "KILL", ("step", 3)),  # resume from step_2: before the first row
-        ("toy", 2, "toolkit", "rank1", "KILL", ("step", 3)),
+        ("toy", 1, "python", "process", "KILL", ("step", 5)),  # from step_3, saved before the row of step 4
+        ("toy", 2, "toolkit", "rank1", "KILL", ("step", 5)),
         ("toy", 2, "accelerate", "launcher", "KILL", ("time", None)),
         ("toy", 2, "toolkit", "launcher", "KILL", ("step", 1)),  # before the first checkpoint
         ("toy", 2, "toolkit", "rank0", "KILL", ("time", None)),
     ],
     "signal": [
         ("toy", 2, "toolkit", "launcher", "TERM", ("step", 1)),  # saved at step 2: before the first row
-        ("toy", 2, "accelerate", "launcher", "TERM", ("step", 3)),
+        ("toy", 2, "accelerate", "launcher", "TERM", ("step", 3)),  # saved at step 4, an evaluation step
         ("toy", 1, "python", "process", "USR1", ("step", 1)),
         ("toy", 2, "toolkit", "rank1", "USR1", ("step", 6)),
         ("toy", 2, "accelerate", "launcher", "USR1", ("step", 5)),

@@ -11,7 +11,7 @@ def test_a_seed_gives_the_same_trials_and_the_quick_campaign_keeps_the_pinned_mo
     assert full == faults.trials_of(faults.parse(["--seed", "11"]))
     assert {k: len(v) for k, v in full.items()} == faults.DEFAULT_TRIALS
     quick = faults.trials_of(faults.parse(["--seed", "11", "--quick"]))
-    assert [t.moment for t in quick["kill"]][:2] == [("step", 3), ("step", 3)]  # step_2: before the first row
+    assert [t.moment for t in quick["kill"]][:2] == [("step", 5), ("step", 5)]  # from step_3, before the first row
     assert quick["signal"][0].describe() == "toy toolkit launch, SIGTERM to launcher after step 1"
     only = faults.trials_of(faults.parse(["--seed", "11", "--only", "signal", "--trials", "20"]))
     assert list(only) == ["signal"] and len(only["signal"]) == 20
