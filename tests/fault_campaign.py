@@ -169,7 +169,8 @@ REAL = ["sasrec", "ufs_emulator", "dcrnn", "hrm"]
 
 # The interrupted life runs the recipe through this: after every optimizer step each rank writes the step to
 # FAULT_MARKS/rank<r> and, at FAULT_STOP_STEP, rank FAULT_STOP_RANK stops itself (SIGSTOP) until the campaign has
-# delivered its fault and continues it (SIGCONT).
+# delivered its fault and continues it (SIGCONT); FAULT_SAVE_STEP stops the main process inside the save of that
+# step's checkpoint instead (its files written, not yet complete).
 FAULTPOINT = """
 import os, runpy, signal, sys
 import toolkit  # first, as every recipe: the signal handlers
@@ -186,6 +187,13 @@ def mark(loop):
     if step == stop_step and rank == stop_rank:
         os.kill(os.getpid(), signal.SIGSTOP)
 AFTER_STEP_HOOKS.append(mark)
+from toolkit import checkpoint
+save_step, write_manifest = int(os.environ.get("FAULT_SAVE_STEP", "0")), checkpoint.write_manifest
+def stop_in_the_save(directory):  # the main process, its files written, before the manifest, rename and marker
+    if save_step and os.path.basename(str(directory)) == f".step_{save_step}.saving":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return write_manifest(directory)
+checkpoint.write_manifest = stop_in_the_save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -206,7 +214,9 @@ class Trial:
         if self.campaign == "disk":
             return f"{self.recipe} {where}, disk of {self.moment[1]} KB" + (" (filled)" if not self.moment[1] else "")
         kind, value = self.moment
-        when = f"after step {value}" if kind == "step" else f"at {value:.2f} x the run's time"
+        when = {"step": f"after step {value}", "save": f"during the save of step {value}"}.get(
+            kind, f"at {value:.2f} x the run's time"
+        )
         return f"{self.recipe} {where}, SIG{self.sig} to {self.target} {when}"
 
 
@@ -245,7 +255,7 @@ SETUPS = {  # (processes, launcher, target)
 # metrics row and at the first checkpoint among them. Their fractions and disk sizes still come from the seed.
 PINNED = {
     "kill": [
-        ("toy", 1, "python", "process", "KILL", ("step", 5)),  # from step_3, saved before the row of step 4
+        ("toy", 1, "python", "process", "KILL", ("save", 4)),  # after the row of step 4: from step_3, saved before it
         ("toy", 2, "toolkit", "rank1", "KILL", ("step", 5)),
         ("toy", 2, "accelerate", "launcher", "KILL", ("time", None)),
         ("toy", 2, "toolkit", "launcher", "KILL", ("step", 1)),  # before the first checkpoint
@@ -279,7 +289,13 @@ def plan(campaign: str, trials: int, rng: random.Random) -> list[Trial]:
             world, launcher, target = rng.choice(SETUPS[campaign])
             sig = "KILL" if campaign == "kill" else rng.choice(["TERM", "USR1"])
             steps = RECIPES[recipe].steps
-            moment = ("step", rng.randint(1, steps - 2)) if rng.random() < 0.6 else ("time", None)
+            draw = rng.random()
+            saves = range(3, steps, 3)  # the checkpoint cadence's saves before the last step
+            moment = (
+                ("step", rng.randint(1, steps - 2))
+                if draw < 0.45
+                else (("save", rng.choice(saves)) if draw < 0.65 else ("time", None))
+            )
             spec = (recipe, world, launcher, target, sig, moment)
         if campaign == "disk":
             recipe, world, launcher, kb = spec
@@ -458,10 +474,11 @@ def interrupted_life(
     marks = directory / "marks"
     marks.mkdir()
     kind, value = trial.moment
-    stop_rank = trial.target[-1] if trial.target.startswith("rank") else "0"
+    stop_rank = trial.target[-1] if trial.target.startswith("rank") and kind == "step" else "0"
     extra = {
         "FAULT_MARKS": str(marks),
         "FAULT_STOP_STEP": str(value if kind == "step" else 0),
+        "FAULT_SAVE_STEP": str(value if kind == "save" else 0),
         "FAULT_STOP_RANK": stop_rank,
     }
     logs = (directory / "life.out", directory / "life.err")
@@ -499,7 +516,7 @@ def interrupted_life(
                 problems.append(f"the fault's moment ({kind} {value}) did not come within 600 s")
                 break
             roles = processes()
-            if kind == "step":
+            if kind in ("step", "save"):
                 frozen = roles.get(f"rank{stop_rank}") if trial.world == 2 else roles["process"]
                 ready = frozen is not None and state(frozen.pid) == "T"
             else:
@@ -513,7 +530,7 @@ def interrupted_life(
     if target is not None:
         with contextlib.suppress(psutil.NoSuchProcess):
             target.send_signal(getattr(signal, f"SIG{trial.sig}"))
-        if kind == "step":
+        if kind in ("step", "save"):
             time.sleep(0.5)  # a launcher forwards the signal to its workers before they go on
             for pid in [proc.pid, *tracked]:  # the stopped rank (the process itself, with 1 process)
                 if state(pid) == "T":
@@ -620,7 +637,7 @@ def judge_signal(trial: Trial, life: Life, run: Path) -> tuple[list[str], str]:
     stopped = int(said.group(1))
     if not (run / "checkpoints" / f"step_{stopped}" / "COMPLETE").exists():
         problems.append(f"it said step {stopped} was saved, but checkpoints/step_{stopped} is not complete")
-    if kind == "step" and not value < stopped <= value + 2:
+    if kind in ("step", "save") and not value < stopped <= value + 2:
         problems.append(f"signalled after step {value}, it checkpointed at step {stopped} (the next step: {value + 1})")
     if life.rc != 0 and not (plain_accelerate_sigterm(trial) and life.rc == 1):
         problems.append(f"exit status {life.rc} after a checkpointed pre-emption, not 0")

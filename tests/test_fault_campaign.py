@@ -11,7 +11,7 @@ def test_a_seed_gives_the_same_trials_and_the_quick_campaign_keeps_the_pinned_mo
     assert full == faults.trials_of(faults.parse(["--seed", "11"]))
     assert {k: len(v) for k, v in full.items()} == faults.DEFAULT_TRIALS
     quick = faults.trials_of(faults.parse(["--seed", "11", "--quick"]))
-    assert [t.moment for t in quick["kill"]][:2] == [("step", 5), ("step", 5)]  # from step_3, before the first row
+    assert [t.moment for t in quick["kill"]][:2] == [("save", 4), ("step", 5)]  # from step_3, before the first row
     assert quick["signal"][0].describe() == "toy toolkit launch, SIGTERM to launcher after step 1"
     only = faults.trials_of(faults.parse(["--seed", "11", "--only", "signal", "--trials", "20"]))
     assert list(only) == ["signal"] and len(only["signal"]) == 20
@@ -19,8 +19,11 @@ def test_a_seed_gives_the_same_trials_and_the_quick_campaign_keeps_the_pinned_mo
     assert faults.trials_of(faults.parse(["--seed", "11", "--only", "signal"]))["signal"] == full["signal"]
     for trial in full["kill"] + full["signal"]:
         kind, value = trial.moment
-        assert (kind == "step" and 1 <= value <= faults.RECIPES[trial.recipe].steps - 2) or (
-            kind == "time" and 0 < value <= 1
+        steps = faults.RECIPES[trial.recipe].steps
+        assert (
+            (kind == "step" and 1 <= value <= steps - 2)
+            or (kind == "save" and 1 <= value < steps)
+            or (kind == "time" and 0 < value <= 1)
         )
     assert all(t.moment[0] == "kb" and 0 <= t.moment[1] < 244 for t in full["disk"])
 
