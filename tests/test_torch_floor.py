@@ -71,7 +71,7 @@ def test_inductor_default_cache_dir_where_torch_2_4_has_no_cache_dir_utils(monke
 
 
 def test_run_cache_on_torch_2_4_to_2_6_apis(tmp_path, monkeypatch):
-    """use_run_cache with neither cache_dir_utils (2.4, 2.5) nor utils.clear_caches (2.4 to 2.6, where it is
+    """use_run_cache with neither cache_dir_utils (torch 2.4) nor utils.clear_caches (2.4 and 2.6, where it is
     clear_inductor_caches): the run's cache is taken and the memoised paths are cleared through the old name."""
     cleared = []
     old_utils = types.SimpleNamespace(clear_inductor_caches=lambda: cleared.append(True))

@@ -61,8 +61,8 @@ def use_run_cache(run_dir: Path) -> Path:
 
 def inductor_default_cache_dir() -> str:
     """Inductor's default TORCHINDUCTOR_CACHE_DIR, /tmp/torchinductor_$USER: torch 2.6+ has it as
-    torch._inductor.runtime.cache_dir_utils.default_cache_dir; torch 2.4 computes the same path inline in
-    torch._inductor.runtime.runtime_utils.cache_dir(), as here."""
+    torch._inductor.runtime.cache_dir_utils.default_cache_dir (read in 2.6's wheel); torch 2.4 computes the same path
+    inline in torch._inductor.runtime.runtime_utils.cache_dir(), as here."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:
@@ -77,8 +77,8 @@ def inductor_default_cache_dir() -> str:
 
 def clear_inductor_caches(utils) -> None:
     """Forget the paths inductor memoised (torch._inductor.utils, passed in): `clear_caches` in newer torch (2.8,
-    2.13), `clear_inductor_caches` in torch 2.4 (the same loop over the functools caches it registered; 2.6 has no
-    clear_caches either)."""
+    2.13), `clear_inductor_caches` in torch 2.4 and 2.6 (read in their wheels: the same loop over the functools caches
+    registered with clear_on_fresh_inductor_cache)."""
     clear = getattr(utils, "clear_caches", None) or utils.clear_inductor_caches
     clear()
 
