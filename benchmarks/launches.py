@@ -48,7 +48,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import toolkit  # noqa: E402, F401  first, before torch (the recipes' rule)
+from toolkit.process import begin_process  # noqa: E402
+
+begin_process()  # as the recipes do
 
 RECIPES = ("ufs_emulator", "sasrec", "dcrnn", "hrm")
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",

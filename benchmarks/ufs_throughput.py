@@ -72,7 +72,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update({"TQDM_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file"]
-    env.pop("OMP_WAIT_POLICY", None)  # as from a user's shell: the recipe's `import toolkit` chooses by the load
+    env.pop("OMP_WAIT_POLICY", None)  # as from a user's shell: the recipe's begin_process() chooses by the load
     env.pop("GOMP_SPINCOUNT", None)
     two_procs = [*launch, str(ROOT / "accelerate_configs" / "cpu_2proc.yaml")]
     configs = [

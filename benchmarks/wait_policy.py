@@ -5,12 +5,12 @@
     python benchmarks/wait_policy.py --recipes ufs_emulator --loads 0 1 --ufs-steps 8000 --measure wall   # long runs
 
 For each recipe, thread count and load (busy Python processes, one core each, started together with the run, so the
-run starts on what `import toolkit` sees as an idle machine: TOOLKIT_LOADAVG says so), each candidate policy trains
+run starts on what begin_process() sees as an idle machine: TOOLKIT_LOADAVG says so), each candidate policy trains
 the same short run; the figure is its training time (metrics.csv `epoch_time_sec`: no start-up, no evaluation), or
 with `--measure wall` the whole command's wall time (start-up included: the measure for a run that restarts itself
 under PASSIVE when load arrives, toolkit.openmp, which a short run ends before it looks three times).
 Candidates: libgomp's spin (OMP_WAIT_POLICY and GOMP_SPINCOUNT unset), PASSIVE, GOMP_SPINCOUNT=N, and `toolkit`: what
-`import toolkit` chooses on an idle machine. Rounds alternate the candidates. Prints one table row per (recipe,
+begin_process() chooses on an idle machine. Rounds alternate the candidates. Prints one table row per (recipe,
 threads, load): seconds per candidate (the median of the rounds) and each candidate's time over the best fixed one.
 """
 
@@ -35,7 +35,7 @@ CANDIDATES = {
     "spin 10000": {"GOMP_SPINCOUNT": "10000"},
     "spin 1000": {"GOMP_SPINCOUNT": "1000"},
     "spin 100": {"GOMP_SPINCOUNT": "100"},
-    "toolkit": None,  # nothing exported: import toolkit chooses (on what it sees as an idle machine: GOMP_SPINCOUNT)
+    "toolkit": None,  # nothing exported: begin_process() chooses (on what it sees as an idle machine: GOMP_SPINCOUNT)
 }
 BUSY = "while True: pass"
 

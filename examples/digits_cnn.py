@@ -7,7 +7,9 @@ Ten classes, each a fixed random 8 x 8 stroke pattern; a sample is its class's p
 plus noise. Written from recipes/template.py: only the data, the model and the metric are its own.
 """
 
-import toolkit  # noqa: F401, I001  first, before torch: SIGUSR1 pre-emption and OpenMP's wait policy
+from toolkit.process import begin_process  # noqa: I001
+
+begin_process()  # first, before torch: SIGUSR1 pre-emption and OpenMP's wait policy
 
 from dataclasses import dataclass
 

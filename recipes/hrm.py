@@ -45,7 +45,9 @@ the all_config.yaml beside it); and every shared-flag error (see README).
 
 from __future__ import annotations
 
-import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.process import begin_process  # noqa: I001
+
+begin_process()  # first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on; OpenMP's policy
 
 # isort: split
 import os

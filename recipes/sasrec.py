@@ -29,7 +29,9 @@ evaluated every 20; needs --data-path to MovieLens-1M's ratings.dat).
 
 from __future__ import annotations
 
-import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.process import begin_process  # noqa: I001
+
+begin_process()  # first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on; OpenMP's policy
 
 # isort: split
 from dataclasses import dataclass

@@ -8,7 +8,9 @@ resume, N processes with global batch B equal to one process with B (KeyedDropou
 checkpoints, metrics.csv, summary.json and `python -m toolkit verify`.
 """
 
-import toolkit  # noqa: F401, I001  first, before torch: SIGUSR1 pre-emption and OpenMP's wait policy
+from toolkit.process import begin_process  # noqa: I001
+
+begin_process()  # first, before torch: SIGUSR1 pre-emption and OpenMP's wait policy
 
 from dataclasses import dataclass
 
@@ -17,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
-from toolkit.distributed import global_mean
 from toolkit.data.prepared import require_batch_fits
+from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
 from toolkit.loop import TrainingLoop
 from toolkit.optim import make_optimizer

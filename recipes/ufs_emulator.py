@@ -43,7 +43,9 @@ count), out-of-range numbers, a batch larger than the training patterns, and eve
 
 from __future__ import annotations
 
-import toolkit  # noqa: F401  first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on
+from toolkit.process import begin_process  # noqa: I001
+
+begin_process()  # first, before anything heavy: SIGUSR1 (pre-emption) only sets a flag from here on; OpenMP's policy
 
 # isort: split
 import math

@@ -39,7 +39,8 @@ def test_one_process_agrees_with_itself_by_name(flags):
 
 AGREE = """
 import json, sys
-import toolkit  # noqa: F401
+from toolkit.process import begin_process
+begin_process()
 from accelerate import Accelerator
 from toolkit.agreement import agree
 accelerator = Accelerator(cpu=True)

@@ -153,7 +153,8 @@ def test_a_pre_empted_run_exits_clean_on_every_rank(tmp_path):
 
 DDP_SCRIPT = """
 import gc, json, sys
-import toolkit  # noqa: F401
+from toolkit.process import begin_process
+begin_process()
 import torch
 from accelerate import Accelerator
 from toolkit import shutdown

@@ -195,7 +195,8 @@ import os, sys
 launcher = int(sys.argv[1])
 while os.getppid() == launcher:  # polling a condition: the launcher is gone, so the worker is adopted
     os.sched_yield()
-import toolkit  # what every recipe imports first
+from toolkit.process import begin_process
+begin_process()  # what every recipe calls first
 print("the worker survived its launcher", file=sys.stderr)
 """
 LAUNCHER = """

@@ -476,7 +476,8 @@ def test_sparse_sign_sgd_updates_only_the_batch_rows_with_summed_duplicates():
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    import toolkit  # noqa: F401  first: it ends the process group at exit (toolkit.shutdown)
+    from toolkit.process import begin_process
+    begin_process()  # first: it ends the process group at exit (toolkit.shutdown)
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator

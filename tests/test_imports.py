@@ -110,3 +110,67 @@ def test_the_run_directory_layout_is_named_once():
     spelled = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "toolkit").rglob("*.py"))
                if path.name != "rundir.py" for name in names if name in path.read_text()]
     assert spelled == []
+
+
+IMPORT_EVERY_MODULE = """
+import atexit, json, os, pkgutil, signal, sys, threading
+handlers = {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)}
+environ, threads, hooks = dict(os.environ), threading.active_count(), []
+register = atexit.register  # the libraries toolkit imports register their own hooks: ours are what counts
+def recording(func, *args, **kwargs):
+    hooks.append(getattr(func, "__module__", "") or "")
+    return register(func, *args, **kwargs)
+atexit.register = recording
+import importlib, toolkit
+failed = []
+for module in pkgutil.walk_packages(toolkit.__path__, "toolkit."):
+    if module.name.endswith("__main__"):
+        continue
+    try:
+        importlib.import_module(module.name)
+    except ImportError as error:  # an optional extra (netCDF, HDF5, matplotlib) may be missing: not a side effect
+        failed.append(f"{module.name}: {error}")
+after = {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals() if isinstance(s, signal.Signals)}
+print(json.dumps({
+    "signals": {name: [handlers[name], after[name]] for name in handlers if handlers[name] != after[name]},
+    "environ": sorted(set(os.environ.items()) ^ set(environ.items())),
+    "threads": [threading.active_count(), threads], "exit_hooks": [h for h in hooks if h.startswith("toolkit")],
+    "modules": sum(1 for name in sys.modules if name.startswith("toolkit")), "failed": failed,
+}))
+"""
+
+
+def test_importing_every_toolkit_module_changes_nothing_in_the_process():
+    """A notebook or another program that imports a helper gets no signal handler, environment variable, thread or
+    exit hook: those come from begin_process() and start_run() (toolkit.process)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import recipe_env
+
+    env = {k: v for k, v in recipe_env().items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["TORCHELASTIC_RUN_ID"] = "as-under-a-launcher"  # the launcher watch would start here, were it imported
+    done = subprocess.run([sys.executable, "-c", IMPORT_EVERY_MODULE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=True, timeout=300)
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["modules"] > 40 and seen["failed"] == [], seen
+    assert seen["signals"] == {} and seen["environ"] == [], seen
+    assert seen["threads"][0] == seen["threads"][1] and seen["exit_hooks"] == [], seen
+
+
+def test_begin_process_installs_what_an_import_no_longer_does():
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import recipe_env
+
+    script = ("import json, os, signal; from toolkit.process import begin_process; begin_process(); "
+              "print(json.dumps([repr(signal.getsignal(signal.SIGUSR1)), repr(signal.getsignal(signal.SIGTERM)), "
+              "os.environ.get('OMP_WAIT_POLICY') or os.environ.get('GOMP_SPINCOUNT')]))")
+    env = {k: v for k, v in recipe_env().items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True, timeout=120)
+    usr1, term, policy = json.loads(done.stdout)
+    assert "_remember" in usr1 and "_stop_before_the_run" in term and policy in ("PASSIVE", "1000"), done.stdout

@@ -131,7 +131,8 @@ SCRIPT = textwrap.dedent(
     import json
     import sys
 
-    import toolkit  # noqa: F401  first: it ends the process group at exit (toolkit.shutdown)
+    from toolkit.process import begin_process
+    begin_process()  # first: it ends the process group at exit (toolkit.shutdown)
     import numpy as np
     import torch
     import torch.distributed as dist

@@ -42,8 +42,8 @@ def test_the_wait_policy_is_passive_on_a_busy_machine_unless_the_user_chose_one(
 
     from conftest import recipe_env
 
-    probe = ("import toolkit, os, sys; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
-             "'torch' in sys.modules)")
+    probe = ("import os, sys; from toolkit.process import begin_process; begin_process(); "
+             "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
     # busy (others hold half the CPUs, over the last minute and now): PASSIVE; else a bounded spin; a user's value
     cases = ((None, BUSY, "PASSIVE None False"), (None, "9.0 9.0 9.0 1/300", "None 1000 False"),
              ("ACTIVE", BUSY, "ACTIVE None False"), ("GOMP_SPINCOUNT=50", BUSY, "None 50 False"))

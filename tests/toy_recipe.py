@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import toolkit  # noqa: E402, F401, I001  first, as the recipes: before torch (SIGUSR1, OpenMP's wait policy)
+from toolkit.process import begin_process  # noqa: E402, I001
+
+begin_process()  # first, as the recipes: before torch (SIGUSR1, OpenMP's wait policy)
 
 # isort: split
 from dataclasses import dataclass  # noqa: E402

@@ -1,45 +1,5 @@
-"""The toolkit. Importing it makes SIGUSR1 (SLURM's pre-emption / time-limit signal) set a flag instead of killing
-the process, so a signal that arrives while a recipe is still importing torch or preparing data is not lost:
-the recipes import `toolkit` first, and the training loop checkpoints and stops at its next step. SIGTERM before a
-run has started still ends the process, with one line saying so (not a silent -15); from the run's start it is
-pre-emption too (toolkit.preemption), except in a launcher's worker before training (see there). Under a launcher,
-importing it also starts the watch that stops this worker when the launcher dies (toolkit.orphans), as early as
-possible: a launcher killed during start-up must not leave a worker waiting for a rendezvous. And at exit it ends
-what the process left running, its process group included (toolkit.shutdown), so that no script ends one by hand."""
+"""The toolkit: one recipe per model family on Hugging Face Accelerate (README.md).
 
-import os
-import signal
-import sys
-import threading
-
-_early_signal = False
-
-
-def _remember(signum, frame) -> None:
-    global _early_signal
-    _early_signal = True
-
-
-def _stop_before_the_run(signum, frame) -> None:
-    """SIGTERM before a run started: nothing to save. One line, then the default action (the exit status a parent
-    expects from SIGTERM: -15)."""
-    sys.stderr.write("stopped by SIGTERM before the run started: nothing to save\n")
-    sys.stderr.flush()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-if threading.current_thread() is threading.main_thread():
-    if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
-        signal.signal(signal.SIGUSR1, _remember)
-    # A launcher's worker keeps SIGTERM's default until it trains: the launcher stops the other workers with it when
-    # one fails while starting (e.g. rank 0's one-line usage error), and they must end quietly.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and "TORCHELASTIC_RUN_ID" not in os.environ:
-        signal.signal(signal.SIGTERM, _stop_before_the_run)
-
-from toolkit import openmp, orphans, shutdown  # noqa: E402  after the signal handler: that one must come first
-
-openmp.prefer_passive_wait()  # before anything imports torch (and its OpenMP runtime)
-
-orphans.stop_when_launcher_dies()
-shutdown.release_at_exit()
+Importing it, or any of its modules, changes nothing in the process: no signal handler, no environment variable, no
+thread, no exit hook. A recipe's entry point calls toolkit.process.begin_process() first, before torch, and
+toolkit.run.start_run() installs the rest (toolkit.process says which does what)."""

@@ -21,6 +21,10 @@ import argparse
 import os
 import sys
 
+from toolkit.process import begin_process
+
+begin_process()  # an entry point, as a recipe is: before torch (SIGTERM said in one line, OpenMP's policy, ...)
+
 if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
     # The launcher's own c10d retry logs (C++ stack frames) would bury its one-line error; read when torch loads,
     # so it is set before the imports below and removed again in launch.main for the workers.

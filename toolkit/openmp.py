@@ -7,14 +7,14 @@ waits for them to wake). On a machine whose cores other jobs hold, the spinning 
 one needs, and every parallel region waits for the scheduler: the same step went from 1.7 ms to 103 ms at 2 threads
 with two other jobs on the 2 cores, and 6.2 ms passive; DCRNN stalled at 42 s a step (benchmarks/README.md).
 
-So `import toolkit` looks at the machine when the process starts: when other work holds at least half the usable
-CPUs, both over the last minute (the load average) and now (the processes running besides this one), the policy
-becomes PASSIVE. Otherwise the threads spin, but a bounded while: GOMP_SPINCOUNT=1000 (libgomp's default is 300,000
-when it thinks the machine is its own), because load that arrives after the start cannot change a policy the runtime
-read once: a run started idle at libgomp's default then fell 2-28x behind its fair share when other jobs started
-(benchmarks/wait_policy.py); the bounded spin keeps the idle speed and sleeps soon enough under load. The runtime
-reads the variables once, when it is loaded, hence before torch is imported (the recipes import toolkit first). A
-value the user exported (either variable) is kept.
+So begin_process() (toolkit.process) looks at the machine when the process starts: when other work holds at least
+half the usable CPUs, both over the last minute (the load average) and now (the processes running besides this one),
+the policy becomes PASSIVE. Otherwise the threads spin, but a bounded while: GOMP_SPINCOUNT=1000 (libgomp's default
+is 300,000 when it thinks the machine is its own), because load that arrives after the start cannot change a policy
+the runtime read once: a run started idle at libgomp's default then fell 2-28x behind its fair share when other jobs
+started (benchmarks/wait_policy.py); the bounded spin keeps the idle speed and sleeps soon enough under load. The
+runtime reads the variables once, when it is loaded, hence before torch is imported (the recipes call begin_process()
+first). A value the user exported (either variable) is kept.
 TOOLKIT_LOADAVG stands in for /proc/loadavg's text (tests), e.g. "3.1 2.0 1.5 4/300".
 
 Load that arrives after the start (issue 26, item 1): the bounded spin still ran the UFS MLP's 2-thread step 1.9x
@@ -41,7 +41,8 @@ VARIABLE = "OMP_WAIT_POLICY"
 SPIN = "GOMP_SPINCOUNT"
 BOUNDED_SPIN = "1000"  # iterations a waiting thread spins before it sleeps (benchmarks/wait_policy.py)
 _reason: str | None = None  # why this process chose PASSIVE (None: it chose nothing)
-_too_late = False  # torch was imported before toolkit: the policy could not be chosen
+_too_late = False  # torch was imported before begin_process(): the policy could not be chosen
+_looked = False  # prefer_passive_wait() ran in this process (begin_process())
 _spinning = False  # this process chose the bounded spin (an idle start): LoadWatch may restart it under PASSIVE
 RESTARTED = "TOOLKIT_RESTARTED_UNDER_LOAD"  # set on the restarted process: the step it restarted at
 _restarted_at: str | None = None
@@ -64,7 +65,8 @@ def _busy(others: float, cpus: int) -> bool:
 def prefer_passive_wait() -> None:
     """PASSIVE when the machine is busy, else a bounded spin, before torch (and its OpenMP runtime) is loaded; the
     user's value stays."""
-    global _reason, _too_late, _spinning, _restarted_at
+    global _reason, _too_late, _spinning, _restarted_at, _looked
+    _looked = True
     _restarted_at = os.environ.pop(RESTARTED, None)  # said once, by this process; its children start afresh
     if VARIABLE in os.environ or SPIN in os.environ:
         return
@@ -88,10 +90,10 @@ def wait_policy_line(threads: int) -> str | None:
     """One line for the run's start when this process runs several OpenMP threads under the policy chosen here."""
     if threads <= 1:
         return None
-    if _too_late:
-        return (f"threads: {threads}; torch was imported before toolkit, so OpenMP's wait policy could not be chosen "
-                f"for this machine's load (spinning threads stall on a busy machine): import toolkit first, or export "
-                f"{VARIABLE}")
+    if (_too_late or not _looked) and VARIABLE not in os.environ and SPIN not in os.environ:
+        return (f"threads: {threads}; torch was imported before toolkit.process.begin_process() ran, so OpenMP's wait "
+                f"policy could not be chosen for this machine's load (spinning threads stall on a busy machine): call "
+                f"it first, or export {VARIABLE}")
     if _restarted_at is not None:
         return (f"threads: {threads}, with {VARIABLE}=PASSIVE set by the toolkit (this process restarted itself at "
                 f"step {_restarted_at} when other jobs took the cores its spinning threads needed)")

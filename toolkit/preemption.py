@@ -11,7 +11,7 @@ way the resumed run continues bit for bit. A second signal during that save chan
 
 When SIGTERM counts: a single process from start_run; a launcher's worker (torchrun's, TORCHELASTIC_RUN_ID set)
 from its training loop's start, because before that the launcher's own SIGTERM is how it stops the other workers
-when one failed while starting, and they must end at once (toolkit/__init__.py).
+when one failed while starting, and they must end at once (toolkit.process).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def _catch(sig: int) -> None:
 def install_handler() -> None:
     """At the run's start (start_run): SIGUSR1, and SIGTERM unless this is a launcher's worker (catch_sigterm)."""
     global _requested
-    import toolkit
+    from toolkit import process
 
-    _requested = _requested or toolkit._early_signal  # a signal caught by the import-time handler counts
+    _requested = _requested or process.signalled_early()  # a signal caught by begin_process()'s handler counts
     _catch(signal.SIGUSR1)
     if not launched_worker():
         _catch(signal.SIGTERM)

@@ -197,7 +197,8 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     ddp_kwargs: passed to DDP (DistributedDataParallelKwargs, e.g. broadcast_buffers=False);
     accelerator_kwargs: further Accelerator(...) arguments.
     """
-    orphans.stop_when_launcher_dies()
+    orphans.stop_when_launcher_dies()  # each once per process: begin_process() may have done them already
+    shutdown.release_at_exit()
     heap.keep_between_steps()  # freed memory stays for the next step (toolkit.heap), before the data is made
     use_cpu = runs_on_cpu()  # also honours a CPU launch config on a GPU machine
     timeout = timedelta(seconds=config.dist_timeout)

@@ -19,7 +19,8 @@ job FAILED. What was left running, and what ends it here:
 `TrainingLoop.finish()` leaves together (a barrier: rank 0 still writing summary.json must not see its peer's
 sockets close under it), stops the heartbeat and destroys the group; `release()` runs when the recipe's main()
 returns or raises (toolkit.entry.one_line_errors) and, for whatever path skipped that, again at exit
-(`import toolkit` registers it): a script that makes its own Accelerator() ends its group without a line of its own.
+(begin_process() or start_run() registers it): a script that makes its own Accelerator() ends its group without a
+line of its own.
 `TOOLKIT_EXIT_REPORT=1` makes every process print, as its last act, the threads still alive then: one line,
 `[rank r] threads at exit: N (names)`.
 """
@@ -37,6 +38,7 @@ from toolkit.errors import RunFailed, UsageError
 
 EXIT_REPORT = "TOOLKIT_EXIT_REPORT"
 _launcher = False
+_registered = False  # release_at_exit() was called: the exit hook is registered
 _broken = False  # a peer was lost or an unexpected error ended main(): the group is not destroyed (it could hang)
 
 
@@ -113,9 +115,12 @@ def release_reducers() -> None:
 
 
 def release_at_exit() -> None:
-    """Register release() (and the exit report) to run at interpreter exit; `import toolkit` calls it, so that a
-    script that forms its own group through Accelerator() needs no destroy_process_group() of its own."""
-    atexit.register(_at_exit)
+    """Register release() (and the exit report) to run at interpreter exit, once; begin_process() and start_run()
+    call it, so that a script that forms its own group through Accelerator() needs no destroy_process_group()."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_at_exit)
 
 
 def live_threads() -> list[str]:

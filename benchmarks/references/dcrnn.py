@@ -221,10 +221,12 @@ def main() -> None:
     shutil.rmtree(copy, ignore_errors=True)  # a kept work directory: the reference's copy is made afresh
     copy_reference(reference, copy)
     sensors = write_reference_data(data, cache_dir, copy, args.epochs)
-    # The same OpenMP wait policy for both: the one `import toolkit` chose for this process by the machine's load
+    # The same OpenMP wait policy for both: the one begin_process() chose for this process by the machine's load
     # (spinning workers on a shared machine stalled both sides at 2 threads: 42 s a step instead of 0.27 s; on an
     # idle one, sleeping workers make a second thread cost instead of help). A no-op at 1 thread.
-    import toolkit  # noqa: F401  (sets OMP_WAIT_POLICY when the machine is busy)
+    from toolkit.process import begin_process
+
+    begin_process()  # sets OMP_WAIT_POLICY when the machine is busy
 
     policy = os.environ.get("OMP_WAIT_POLICY")
     environment = {**thread_settings(args.threads), **({"OMP_WAIT_POLICY": policy} if policy else {})}
