@@ -173,7 +173,8 @@ REAL = ["sasrec", "ufs_emulator", "dcrnn", "hrm"]
 # step's checkpoint instead (its files written, not yet complete).
 FAULTPOINT = """
 import os, runpy, signal, sys
-import toolkit  # first, as every recipe: the signal handlers
+from toolkit.process import begin_process
+begin_process()  # first, as every recipe: the signal handlers
 from toolkit.loop import AFTER_STEP_HOOKS
 rank = os.environ.get("RANK", "0")
 marks = os.environ["FAULT_MARKS"]
