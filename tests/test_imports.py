@@ -174,3 +174,37 @@ def test_begin_process_installs_what_an_import_no_longer_does():
                           check=True, timeout=120)
     usr1, term, policy = json.loads(done.stdout)
     assert "_remember" in usr1 and "_stop_before_the_run" in term and policy in ("PASSIVE", "1000"), done.stdout
+
+
+def private_reads(paths) -> list[str]:
+    """`from toolkit.x import _name` and `name._attr` where `name` was imported from the toolkit (a module, a class or
+    a function of it), in the given files."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("toolkit"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                imported.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("toolkit"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in imported):
+                found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_names(tmp_path):
+    """The toolkit's modules and the recipes use each other's public names only (loop.py read
+    preemption._requested, keeper.py imported run._config_values, the HRM model randomness._mix32)."""
+    files = sorted((ROOT / "toolkit").rglob("*.py")) + sorted((ROOT / "recipes").glob("*.py"))
+    assert private_reads(files) == []
+    planted = tmp_path / "planted.py"  # the check sees a private read where there is one
+    planted.write_text("from toolkit import preemption\nfrom toolkit.run import _shared\nif preemption._requested:\n"
+                       "    pass\n")
+    assert private_reads([planted]) == ["planted.py:2: from toolkit.run import _shared",
+                                        "planted.py:3: preemption._requested"]

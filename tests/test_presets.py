@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, assert_refused, load_recipe, run_preloaded
 
 from toolkit.config import CHECK_ARGS, parse_config
-from toolkit.run import _config_values
+from toolkit.run import config_values
 
 RECIPES = ["sasrec", "dcrnn", "ufs_emulator", "hrm"]
 # Each recipe's presets, the default first, and a flag to override with a value no preset has.
@@ -110,14 +110,14 @@ def test_a_flag_overrides_the_preset_and_config_json_records_the_preset(recipe, 
     names, override, field, value = EXPECTED[recipe]
     # No preset: the first; `--preset NAME`, `--preset=NAME` and tyro's positional NAME choose the same one.
     assert parse_config(presets, []).preset == names[0]
-    assert _config_values(parse_config(presets, []))["preset"] == names[0]
+    assert config_values(parse_config(presets, []))["preset"] == names[0]
     chosen = presets[names[1]][1]
     for args in (["--preset", names[1], *override], [*override, f"--preset={names[1]}"], [names[1], *override]):
         config = parse_config(presets, args)
         assert config.preset == names[1] and getattr(config, field) == value
         # every other value is the preset's
         assert dataclasses.replace(config, preset=None, **{field: getattr(chosen, field)}) == chosen
-        assert _config_values(config)["preset"] == names[1]  # what config.json's "config" holds
+        assert config_values(config)["preset"] == names[1]  # what config.json's "config" holds
 
 
 def test_sweep_flag_check_accepts_a_preset(recipes, monkeypatch):

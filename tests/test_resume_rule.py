@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import DATA_CACHE, TINY, TOY, load_recipe, run_recipe
 from toolkit.catalog import REPO_RECIPES, find_recipes
 from toolkit.errors import UsageError
-from toolkit.run import RESUMABLE_CHANGES, _config_values, _previous_config
+from toolkit.run import RESUMABLE_CHANGES, _previous_config, config_values
 
 # Every recipe `python -m toolkit ls` finds, and the toolkit API's toy: a new recipe is covered (and needs a RUNS
 # entry below, which the resume test asks for by name).
@@ -94,14 +94,14 @@ def test_every_resumable_field_has_a_decision_and_exists(configs):
 def test_each_field_changed_on_resume_is_refused_in_one_line_unless_resumable(recipe, configs, tmp_path):
     cls = configs[recipe]
     base = dataclasses.replace(cls(), preset="default")  # a run's config.json names its preset (None: legacy run)
-    (tmp_path / "config.json").write_text(json.dumps({"config": _config_values(base)}))
+    (tmp_path / "config.json").write_text(json.dumps({"config": config_values(base)}))
     fields = [f.name for f in dataclasses.fields(cls)]
     assert len(fields) > 20, fields
     for name in fields:
         other = dataclasses.replace(base, **{name: changed(getattr(base, name))})
-        assert _config_values(other)[name] != _config_values(base)[name], name
+        assert config_values(other)[name] != config_values(base)[name], name
         if name in RESUMABLE_CHANGES:
-            assert _previous_config(tmp_path, other)["config"] == _config_values(base), name
+            assert _previous_config(tmp_path, other)["config"] == config_values(base), name
             continue
         with pytest.raises(UsageError) as refused:
             _previous_config(tmp_path, other)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.run import _config_values
+from toolkit.run import config_values
 from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
 from toolkit.tracking import truncate_to_bytes
 
@@ -93,7 +93,7 @@ def _settings(run) -> dict:
     if not dataclasses.is_dataclass(run.config):
         return {}
     data = getattr(run, "extra_info", {}).get("data") or {}
-    return {checkpoint.SETTINGS: {"config": _config_values(run.config), "data": data.get("fingerprint")}}
+    return {checkpoint.SETTINGS: {"config": config_values(run.config), "data": data.get("fingerprint")}}
 
 
 def _size(path: Path) -> int:

@@ -208,8 +208,8 @@ class TrainingLoop(RunEnd):
         if self.losses.read_due(step) or self.stopped or self._signal_or_stop_anywhere():
             rider = self._rider if self.losses.read_due(step) else None
             problem = read_and_count(self.losses, progress, self.meter, self.accelerator, cfg, rider)
-            agreed = agree(self.accelerator, preempted=preemption._requested, diverged=problem is not None,
-                           stop=self._stop_request is not None, terminated=preemption._terminated)
+            agreed = agree(self.accelerator, preempted=preemption.requested(), diverged=problem is not None,
+                           stop=self._stop_request is not None, terminated=preemption.terminated())
             if agreed.diverged:
                 self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
             if agreed.preempted:
@@ -236,7 +236,7 @@ class TrainingLoop(RunEnd):
         ranks agree at THIS step, so a pre-emption is saved at the next optimizer step, not at the next --log-every
         one (which can overrun a launcher's or scheduler's kill). N processes all-reduce one flag on the host every
         step (no device sync; benchmarks/README.md measures what it costs)."""
-        return any(any_rank_on_host(self.accelerator, preemption._requested or self._stop_request is not None))
+        return any(any_rank_on_host(self.accelerator, preemption.requested() or self._stop_request is not None))
 
     def _checkpoint_requeue_and_exit(self, requeue: bool) -> None:
         """Pre-empted (SIGUSR1, SIGTERM): a complete checkpoint of this step, requeue (main process; not after a

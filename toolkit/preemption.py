@@ -34,6 +34,16 @@ def _set_flag(signum, frame) -> None:
     _terminated = _terminated or signum == signal.SIGTERM
 
 
+def requested() -> bool:
+    """A pre-emption signal (SIGUSR1, or SIGTERM from the run's start) reached this process."""
+    return _requested
+
+
+def terminated() -> bool:
+    """One of them was SIGTERM: checkpoint and stop, but do not requeue."""
+    return _terminated
+
+
 def launched_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x):  # a tensor of int64, or a Python int
+def mix32(x):  # a tensor of int64, or a Python int
     # A well-tested 32-bit integer finaliser; products stay below 2**59, so int64 never overflows.
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
 
 
@@ -37,7 +37,7 @@ def keyed_hash(*keys: torch.Tensor | int) -> torch.Tensor:
     for key in keys:     # copy (which a captured CUDA step cannot hold); the same arithmetic, bit for bit
         if isinstance(key, torch.Tensor):
             key = key.to(device=device, dtype=torch.int64)
-        hashed = _mix32(hashed ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
+        hashed = mix32(hashed ^ (key & MASK32) ^ ((key >> 32) & MASK32) * 0x27D4EB2F & MASK32)
     return hashed if isinstance(hashed, torch.Tensor) else torch.tensor(hashed, dtype=torch.int64, device=device)
 
 
@@ -52,7 +52,7 @@ def keyed_hash_int(*keys: int) -> int:
     2**62): for a few scalar keys it costs ~1 us where the tensor version costs ~90 us, once per micro-batch."""
     hashed = 0x9E3779B9
     for key in keys:
-        hashed = _mix32(hashed ^ (key & _MASK32) ^ ((key >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
+        hashed = mix32(hashed ^ (key & MASK32) ^ ((key >> 32) & MASK32) * 0x27D4EB2F & MASK32)
     return hashed
 
 

@@ -430,7 +430,7 @@ def _check_output_dir(output_dir: Path) -> None:
                          "give a writable directory") from None
 
 
-def _config_values(config: TrainConfig) -> dict:
+def config_values(config: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
@@ -459,7 +459,7 @@ def _readable_config_json(run_dir: Path) -> dict:
 def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
     """The resumed run's config.json; refuses flags that changed what a step computes."""
     previous = _readable_config_json(run_dir)
-    changed = changed_flags(previous["config"], _config_values(config))
+    changed = changed_flags(previous["config"], config_values(config))
     if changed:
         raise UsageError(f"cannot resume {run_dir} with changed settings: {'; '.join(changed)}; use the run's "
                          f"values (see its {CONFIG_FILE}) or start a new run with another --output-dir")
@@ -472,7 +472,7 @@ def _newest_resumable_run(recipe_root: Path, config: TrainConfig, say=None) -> P
     checkpoint has other settings, `say` gets one line naming the flags that differ (a fresh run starts)."""
     if not recipe_root.is_dir():
         return None
-    new = _config_values(config)
+    new = config_values(config)
     runs, others = [], []
     for path in recipe_root.iterdir():
         newest = checkpoint.newest_complete(path) if path.is_dir() else None
@@ -602,7 +602,7 @@ def _write_config_json(run: Run) -> None:
         "recipe": run.recipe,
         "run_name": run.run_name,
         "run_id": run.run_id,
-        "config": _config_values(run.config),
+        "config": config_values(run.config),
         "world_size": accelerator.num_processes,
         "world_sizes": world_sizes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1")) or 1),

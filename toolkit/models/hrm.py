@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.models import onednn
-from toolkit.randomness import _MASK32, _mix32, keyed_hash_int
+from toolkit.randomness import MASK32, keyed_hash_int, mix32
 
 IGNORE_LABEL = -100
 
@@ -660,7 +660,7 @@ def fold_key(prefix: torch.Tensor | int, key: torch.Tensor) -> torch.Tensor:
     launches each. keyed_hash's prefix ^ (key & M) ^ ((key >> 32) & M) * C & M, as (prefix ^ key ^ (key >> 32) C) & M:
     & M distributes over ^, prefix < 2**32, and (a & M) C = a C modulo 2**32 (|a C| < 2**61, no overflow)."""
     key = key.to(torch.int64)
-    return _mix32((prefix ^ key ^ (key >> 32) * 0x27D4EB2F) & _MASK32)
+    return mix32((prefix ^ key ^ (key >> 32) * 0x27D4EB2F) & MASK32)
 
 
 class HRM(nn.Module):
