@@ -91,6 +91,8 @@ def test_make_optimizer_takes_the_settings_and_refuses_an_unknown_name():
     assert len(group["params"]) == 2
     sgd = make_optimizer("sgd", model.parameters(), lr=0.5, weight_decay=0.2)
     assert type(sgd) is torch.optim.SGD and sgd.param_groups[0]["weight_decay"] == 0.2
+    import toolkit.models.hrm  # noqa: F401  registers HRM's adam-atan2 (the core knows no family)
+
     atan2 = make_optimizer("adam-atan2", model.parameters(), lr=0.01, betas=(0.9, 0.95))
     assert type(atan2).__name__ == "AdamATan2" and atan2.param_groups[0]["betas"] == (0.9, 0.95)
     with pytest.raises(UsageError, match="^--optimizer adamx is not known; give one of adam, adamw"):

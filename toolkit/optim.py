@@ -4,34 +4,43 @@
                                weight_decay=cfg.weight_decay)
     run.print(model_line("SASRec (post-LN)", model))      # model: SASRec (post-LN), 12,345 parameters
 
-Betas and eps apply to the Adam family; SGD takes the learning rate and the weight decay only."""
+Betas and eps apply to the Adam family; SGD takes the learning rate and the weight decay only. A family adds its own
+with register_optimizer (HRM's adam-atan2, in toolkit.models.hrm), so this module knows no family."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from toolkit.errors import UsageError
 
-CHOICES = ("adam", "adamw", "adam-atan2", "sgd")
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {}  # --optimizer NAME -> its factory
+
+
+def register_optimizer(name: str, factory: Callable[..., torch.optim.Optimizer]) -> None:
+    """A family's own optimizer for --optimizer NAME, registered where the family defines it (HRM's adam-atan2 in
+    toolkit.models.hrm): factory(parameters, *, lr, weight_decay, betas, eps) -> an optimizer."""
+    OPTIMIZERS[name] = factory
 
 
 def make_optimizer(choice: str, parameters, *, lr: float, weight_decay: float = 0.0,
                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.Optimizer:
-    parameters = list(parameters)
-    # fused: the whole step is one kernel (CPU and CUDA), with no read of the step count on the host; torch's default
-    # on CPU, a for-loop, launches 6 ops per parameter and reads each parameter's step count (a sync on a GPU).
-    # Its arithmetic differs from the for-loop's by an ulp, and is the same on every rank and every resume.
-    if choice == "adam":
-        return torch.optim.Adam(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-    if choice == "adamw":
-        return torch.optim.AdamW(parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-    if choice == "adam-atan2":  # HRM's: Adam with atan2 in place of the division (no eps)
-        from toolkit.models.hrm import AdamATan2
+    factory = OPTIMIZERS.get(choice)
+    if factory is None:
+        raise UsageError(f"--optimizer {choice} is not known; give one of {', '.join(OPTIMIZERS)}")
+    return factory(list(parameters), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
-        return AdamATan2(parameters, lr=lr, betas=betas, weight_decay=weight_decay)
-    if choice == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
-    raise UsageError(f"--optimizer {choice} is not known; give one of {', '.join(CHOICES)}")
+
+# fused: the whole step is one kernel (CPU and CUDA), with no read of the step count on the host; torch's default on
+# CPU, a for-loop, launches 6 ops per parameter and reads each parameter's step count (a sync on a GPU). Its
+# arithmetic differs from the for-loop's by an ulp, and is the same on every rank and every resume.
+register_optimizer("adam", lambda parameters, *, lr, weight_decay, betas, eps: torch.optim.Adam(
+    parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
+register_optimizer("adamw", lambda parameters, *, lr, weight_decay, betas, eps: torch.optim.AdamW(
+    parameters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
+register_optimizer("sgd", lambda parameters, *, lr, weight_decay, betas, eps: torch.optim.SGD(
+    parameters, lr=lr, weight_decay=weight_decay))
 
 
 def step_optimizer(accelerator, model, max_grad_norm: float, optimizer, scheduler=None) -> None:

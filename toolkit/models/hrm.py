@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.models import onednn
+from toolkit.optim import register_optimizer
 from toolkit.randomness import MASK32, keyed_hash_int, mix32
 
 IGNORE_LABEL = -100
@@ -546,6 +547,11 @@ class AdamATan2(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------
+
+
+# --optimizer adam-atan2, HRM's (no eps: atan2 replaces the division)
+register_optimizer("adam-atan2", lambda parameters, *, lr, weight_decay, betas, eps: AdamATan2(
+    parameters, lr=lr, betas=betas, weight_decay=weight_decay))
 
 
 def stablemax_s(x: torch.Tensor) -> torch.Tensor:
