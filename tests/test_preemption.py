@@ -1,6 +1,7 @@
 """SIGUSR1 (what SLURM sends before a time limit or on pre-emption): every rank checkpoints at the next step and
 exits 0; `--resume-from auto` then finishes bit-identical to an uninterrupted run."""
 
+import csv
 import re
 import signal
 import subprocess
@@ -85,4 +86,29 @@ def test_a_signal_on_any_rank_is_saved_at_the_next_step_not_the_next_read(rank, 
     run_recipe([*args, *hook, "--output-dir", str(preempted), "--resume-from", "auto"], recipe=TOY,
                config="cpu_2proc.yaml")
     final = [d / "checkpoints" / "step_8" / "model.safetensors" for d in (straight, preempted)]
+    assert final[0].read_bytes() == final[1].read_bytes()
+
+
+def test_a_signal_at_an_evaluation_step_keeps_that_evaluation(tmp_path):
+    """Pre-empted at step 4, where an evaluation is due: it is evaluated before the save (the resumed life starts at
+    step 5), so metrics.csv and log.csv are the uninterrupted run's. The evaluation was lost: rows 8 and 12 only,
+    step 8's train_loss the mean over steps 1-8."""
+    args = ["--max-steps", "12", "--checkpoint-every", "2", "--eval-every-steps", "4", "--log-every", "5",
+            "--signal-at-step", "4"]
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    run_recipe([*args[:-2], "--output-dir", str(straight)], recipe=TOY)
+    first = run_recipe([*args, "--output-dir", str(preempted)], recipe=TOY)
+    assert "pre-empted at step 4: checkpoint saved" in first.stdout, first.stdout[-2000:]
+    run_recipe([*args, "--output-dir", str(preempted), "--resume-from", "auto"], recipe=TOY)
+    timing = ("epoch_time_sec", "throughput_samples_per_sec", "data_load_time_sec", "compute_time_sec",
+              "cpu_util_avg", "gpu_util_avg", "peak_memory_mb")
+
+    def rows(run_dir):
+        return [{k: v for k, v in row.items() if k not in timing}
+                for row in csv.DictReader(open(run_dir / "metrics.csv"))]
+
+    assert [row["step"] for row in rows(preempted)] == ["4", "8", "12"]
+    assert rows(preempted) == rows(straight)
+    assert (preempted / "log.csv").read_text() == (straight / "log.csv").read_text()
+    final = [d / "checkpoints" / "step_12" / "model.safetensors" for d in (straight, preempted)]
     assert final[0].read_bytes() == final[1].read_bytes()

@@ -213,11 +213,13 @@ class TrainingLoop(RunEnd):
             if agreed.diverged:
                 self._stop_without_saving(problem or f"the training loss went bad on another rank by step {step}")
             if agreed.preempted:
+                self._evaluate_before_leaving(end_of_epoch)
                 self._checkpoint_requeue_and_exit(requeue=not agreed.terminated)
             if agreed.stop:
                 self._take_stop_request()
         # After the pre-emption and stop above (one process reads them at every step), which the restart would lose
         if self._load_watch is not None and not self.stopped and (load := self._load_watch.arrived()):
+            self._evaluate_before_leaving(end_of_epoch)
             self._checkpoint_and_restart_under_passive(load)
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
@@ -230,6 +232,17 @@ class TrainingLoop(RunEnd):
             new_best = progress.best_step == step  # mid-epoch: load_best() needs its checkpoint
         if mid_epoch_save_due(cfg.checkpoint_every, step, new_best):
             self.save()
+
+    def _evaluate_before_leaving(self, end_of_epoch: bool) -> None:
+        """A pre-emption (or a restart) at a step with a scheduled mid-epoch evaluation evaluates first: the resumed
+        life starts after this step, so its evaluation (the metrics.csv row, the best step, an early stop) was lost
+        and the next row averaged the losses of both rows' steps. An epoch end's or the loop end's evaluation is the
+        resumed life's own (it finds that epoch or run not closed)."""
+        if end_of_epoch or self.stopped or not (self.config.eval_every_steps and self._evaluation_due()):
+            return
+        self._validate()
+        if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
+            self._take_stop_request()
 
     def _signal_or_stop_anywhere(self) -> bool:
         """Between read cadences: has any rank been signalled or asked to stop? Then the losses are read and the
