@@ -208,3 +208,13 @@ def test_no_module_reads_another_modules_private_names(tmp_path):
                        "    pass\n")
     assert private_reads([planted]) == ["planted.py:2: from toolkit.run import _shared",
                                         "planted.py:3: preemption._requested"]
+
+
+def test_the_readme_layout_names_every_module():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "toolkit").rglob("*.py"))
+               if path.stem != "__init__" and not re.search(rf"\b{re.escape(path.stem)}\b", layout)]
+    assert missing == [], f"name these in README.md's Layout: {missing}"
