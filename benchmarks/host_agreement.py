@@ -7,7 +7,7 @@ rank is saved at the next step.
 
 Each process joins a gloo group on loopback and times `calls` agreements back to back; the figure is the median
 over the rounds of the slowest rank's mean microseconds per agreement. Set it against a recipe's step time (its
-metrics.csv `epoch_time_sec` / steps) to read the share. Prints the CPU's model and its AVX flags with the figure.
+metrics.csv `epoch_time_sec` / steps) to read the share. Prints the CPU's kind with the figure.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolkit.agreement import any_rank_on_host  # noqa: E402
+from toolkit.precision import cpu_kind  # noqa: E402
 
 
 class _Processes:  # what any_rank_on_host reads of an Accelerator
@@ -46,20 +47,6 @@ def _worker(rank: int, world: int, port: int, calls: int, rounds: int, results) 
             any_rank_on_host(accelerator, False)
         results.put((rank, (time.perf_counter() - started) / calls * 1e6))
     dist.destroy_process_group()
-
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    shown = sorted(f for f in flags if f.startswith(("avx", "amx")))
-    return f"{model} ({os.cpu_count()} CPUs; {' '.join(shown) or 'no AVX flags'})"
 
 
 def main() -> None:
@@ -90,7 +77,7 @@ def main() -> None:
         f"host agreement, {args.processes} processes on gloo (loopback), {args.calls} calls x {args.rounds} rounds: "
         f"{statistics.median(slowest):.1f} us per step (rounds: {', '.join(f'{m:.1f}' for m in slowest)})"
     )
-    print(f"on {cpu_description()}; torch {torch.__version__}")
+    print(f"on {cpu_kind(threads=1)}; torch {torch.__version__}")
 
 
 if __name__ == "__main__":
