@@ -332,3 +332,18 @@ def sbatch_cpu_run(slurm_env: dict, recipe_args: list[str], tmp_path: Path) -> P
     seen = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log")))
     assert "[rank 0/2]" in seen and "[rank 1/2]" in seen and "node_rank=1" in seen
     return run_dir
+
+
+@contextmanager
+def mounted_tmpfs(where: Path, options: str):
+    """A tmpfs mounted at `where` (made) with mount's -o `options` (size=400k, ro, ...), unmounted after; the test
+    skips, saying why, where mounting is not allowed (root needed)."""
+    where.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {result.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

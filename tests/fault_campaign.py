@@ -52,6 +52,8 @@ from pathlib import Path
 
 import psutil
 
+from toolkit.tracking import TRAILING_COLUMNS
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "accelerate_configs"
 DATA_CACHE = ROOT / ".cache" / "test-data"  # shared with the tests (tests/conftest.py)
@@ -73,15 +75,7 @@ CADENCE = [
     "--keep-checkpoints",
     "3",
 ]
-TIMING = {
-    "epoch_time_sec",
-    "throughput_samples_per_sec",
-    "data_load_time_sec",
-    "compute_time_sec",
-    "cpu_util_avg",
-    "gpu_util_avg",
-    "peak_memory_mb",
-}
+TIMING = set(TRAILING_COLUMNS) - {"world_size"}  # metrics.csv's measured columns: they differ run to run
 
 
 @dataclass(frozen=True)

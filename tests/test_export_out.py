@@ -5,19 +5,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, recipe_env
+from conftest import ROOT, mounted_tmpfs, recipe_env
 
 
 @pytest.fixture
 def read_only(tmp_path):
-    place = tmp_path / "ro"
-    place.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(place)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here (root needed): {mounted.stderr.strip()}")
-    yield place
-    subprocess.run(["umount", str(place)], check=True)
+    with mounted_tmpfs(tmp_path / "ro", "size=64k,ro") as place:
+        yield place
 
 
 @pytest.mark.parametrize("command", [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CONFIGS, ROOT, TOY, recipe_env, run_preloaded, run_recipe, start_machines
+from conftest import CONFIGS, ROOT, TOY, mounted_tmpfs, recipe_env, run_preloaded, run_recipe, start_machines
 
 from toolkit import checkpoint
 from toolkit.verify import verify_run
@@ -263,14 +263,8 @@ def test_machines_without_a_shared_filesystem_are_told_in_one_line(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "disk", "size=400k") as mount:
+        yield mount
 
 
 def test_a_full_disk_names_the_disk_and_path_and_keeps_what_was_complete(small_disk):

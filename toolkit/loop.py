@@ -224,10 +224,8 @@ class TrainingLoop(RunEnd):
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
         new_best = False
-        if cfg.eval_every_steps and self._evaluation_due():
-            self._validate()
-            if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
-                self._take_stop_request()
+        if self._evaluate_mid_epoch():
+            if self.stopped:
                 return  # the loop's end saves this step, with the stop reason in it
             new_best = progress.best_step == step  # mid-epoch: load_best() needs its checkpoint
         if mid_epoch_save_due(cfg.checkpoint_every, step, new_best):
@@ -238,11 +236,18 @@ class TrainingLoop(RunEnd):
         life starts after this step, so its evaluation (the metrics.csv row, the best step, an early stop) was lost
         and the next row averaged the losses of both rows' steps. An epoch end's or the loop end's evaluation is the
         resumed life's own (it finds that epoch or run not closed)."""
-        if end_of_epoch or self.stopped or not (self.config.eval_every_steps and self._evaluation_due()):
-            return
+        if not (end_of_epoch or self.stopped):
+            self._evaluate_mid_epoch()
+
+    def _evaluate_mid_epoch(self) -> bool:
+        """The evaluation scheduled at this step by --eval-every-steps, if due, and a stop it asks for (early
+        stopping) agreed by every rank. True when it evaluated."""
+        if not (self.config.eval_every_steps and self._evaluation_due()):
+            return False
         self._validate()
-        if agree(self.accelerator, stop=self._stop_request is not None).stop:  # e.g. early stopping in evaluate()
+        if agree(self.accelerator, stop=self._stop_request is not None).stop:
             self._take_stop_request()
+        return True
 
     def _signal_or_stop_anywhere(self) -> bool:
         """Between read cadences: has any rank been signalled or asked to stop? Then the losses are read and the
