@@ -1,8 +1,8 @@
-"""Which library should multiply here: toolkit.models.onednn's products under each choice, timed side by side.
+"""Which library should multiply here: toolkit.kernels.onednn's products under each choice, timed side by side.
 
     python benchmarks/products.py [--rows 5248] [--repeats 40] [--threads 1]
 
-`toolkit.models.onednn.products_by()` picks MKL's GEMM where MKL runs AVX-512 kernels (an Intel CPU with AVX-512)
+`toolkit.kernels.onednn.products_by()` picks MKL's GEMM where MKL runs AVX-512 kernels (an Intel CPU with AVX-512)
 and oneDNN's inner product elsewhere, from the CPU alone. This prints both, at HRM cpu-small's shapes (64 puzzles x
 82 positions = 5,248 rows; hidden 64, SwiGLU 2 x 256, qkv 192) for the forward products and the weight gradients
 as the step calls them (`product`, `weight_gradient`; SwiGLU's gate_up gradient with g's transpose at hand, as the
@@ -42,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from toolkit.models import onednn
+    from toolkit.kernels import onednn
     from toolkit.precision import cpu_kind
 
     if not onednn.available():

@@ -19,8 +19,9 @@ import torch
 from conftest import run_recipe
 
 from toolkit import precision
+from toolkit.kernels import convert, onednn
+from toolkit.kernels import hrm as hrm_kernels
 from toolkit.models import hrm as hrm_module
-from toolkit.models import onednn
 from toolkit.models.hrm import (
     HRM,
     AdamATan2,
@@ -28,7 +29,6 @@ from toolkit.models.hrm import (
     SparseSignSGD,
     act_losses,
     fold_key,
-    rms_norm,
     stablemax_cross_entropy,
 )
 from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform
@@ -36,11 +36,15 @@ from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform
 VOCAB, CELLS, MAX_STEPS = 11, 9, 4
 
 
-def tiny_model(**changes) -> HRM:
+def tiny_model(kernels: bool = True, **changes) -> HRM:
+    """A small HRM; with `kernels` (what a run trains under --kernels auto) its CPU kernels swapped in."""
     torch.manual_seed(0)
     settings = dict(num_puzzle_ids=3, hidden=16, heads=2, expansion=2.0, h_layers=1, l_layers=1, h_cycles=2,
                     l_cycles=2, halt_max_steps=MAX_STEPS, exploration_prob=0.0)
-    return HRM(VOCAB, CELLS, **{**settings, **changes})
+    model = HRM(VOCAB, CELLS, **{**settings, **changes})
+    if kernels:
+        convert(model)
+    return model
 
 
 def batch(rows: int = 4, first_id: int = 0) -> dict:
@@ -190,8 +194,8 @@ def test_the_target_q_segment_computes_the_first_position_as_the_whole_segment_d
 def test_a_block_without_gradient_computes_what_it_does_with_gradient_and_leaves_its_input(positions, sizes,
                                                                                           monkeypatch):
     """Without gradient a block writes its sums, norms, rotation and SwiGLU product over its own temporaries (at
-    toolkit.models.onednn's sizes, gate and up as two products, silu and the product over gate): the same values, bit
-    for bit, as the autograd path (there, the _OneDNN Functions), by either library, and the state it was given
+    toolkit.kernels.onednn's sizes, gate and up as two products, silu and the product over gate): the same values, bit
+    for bit, as the autograd path (there, the OneDNN Functions), by either library, and the state it was given
     unchanged."""
     hidden = 16 if sizes == "tiny" else 64  # 64: 16 x 82 rows by 64 by 512, 43M multiply-adds
     if sizes != "tiny":
@@ -240,13 +244,14 @@ def test_rotary_rotates_q_and_k_side_by_side_as_the_reference_rotates_each(dtype
 
 
 def test_rms_norm_gradient_is_autograd_s_of_its_formula():
-    """rms_norm's written-out gradient, r (g - y mean(g y)), against autograd through the formula, in float64; and
-    bfloat16 in, bfloat16 out (normalised in float32), with a gradient."""
+    """The kernel's written-out RMSNorm gradient, r (g - y mean(g y)), against autograd through the model's formula,
+    in float64; and bfloat16 in, bfloat16 out (normalised in float32), with a gradient."""
     torch.manual_seed(3)
+    rms_norm, plain = hrm_kernels.RMSNorm(), hrm_module.RMSNorm()
     x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
     g = torch.randn(3, 5, 8, dtype=torch.float64)
     (ours,) = torch.autograd.grad(rms_norm(x), x, g)
-    (formula,) = torch.autograd.grad(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5), x, g)
+    (formula,) = torch.autograd.grad(plain(x), x, g)
     torch.testing.assert_close(ours, formula, rtol=1e-12, atol=1e-14)
     assert torch.autograd.gradcheck(rms_norm, (x,))
     half = x.detach().to(torch.bfloat16).requires_grad_()
@@ -254,7 +259,7 @@ def test_rms_norm_gradient_is_autograd_s_of_its_formula():
     out.float().sum().backward()
     assert out.dtype == half.grad.dtype == torch.bfloat16
     with torch.no_grad():
-        assert torch.equal(rms_norm(half), out)
+        assert torch.equal(rms_norm(half), out) and torch.equal(plain(half), out)
 
 
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
@@ -273,10 +278,10 @@ def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_d
         for by_parts in (False, True):
             with monkeypatch.context() as patch:
                 if by_parts:
-                    patch.setattr(hrm_module, "_by_onednn", lambda *_: False)
+                    patch.setattr(hrm_kernels, "by_onednn", lambda *_: False)
                 x = torch.randn(16, CELLS + 1, 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
                 out = part(x, *inputs)
-            fused = type(out.grad_fn.next_functions[0][0]).__name__.startswith("_OneDNN")
+            fused = type(out.grad_fn.next_functions[0][0]).__name__.startswith(("OneDNNAttention", "OneDNNSwiGLU"))
             assert fused != by_parts
             out.backward(torch.ones_like(out) / 7)
             results.append([out.detach(), x.grad, *[p.grad for p in part.parameters()]])
@@ -290,7 +295,7 @@ def test_onednn_attention_and_swiglu_compute_what_autograd_through_their_parts_d
     double = tiny_model(hidden=64, heads=4, positions=positions).double()
     out = double.h_level.blocks[0].attention(torch.randn(16, CELLS + 1, 64, dtype=torch.float64, requires_grad=True),
                                              double.rotary)
-    assert not type(out.grad_fn.next_functions[0][0]).__name__.startswith("_OneDNN")
+    assert not type(out.grad_fn.next_functions[0][0]).__name__.startswith(("OneDNNAttention", "OneDNNSwiGLU"))
 
 
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
@@ -300,7 +305,7 @@ def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_other
     float32 rounding; a product under ~1M multiply-adds, float64 and autocast take F.linear itself."""
     monkeypatch.setattr(onednn, "products_by", lambda: library)
     torch.manual_seed(4)
-    layer = hrm_module.Linear(64, 192)
+    layer = hrm_kernels.Linear(64, 192)
     x = torch.randn(2, 80, 64, requires_grad=True)  # 160 x 64 x 192 = 2M multiply-adds
     g = torch.randn(2, 80, 192)
     got = layer(x)

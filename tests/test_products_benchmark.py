@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.models import onednn
+from toolkit.kernels import onednn
 
 ROOT = Path(__file__).resolve().parent.parent
 

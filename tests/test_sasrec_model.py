@@ -318,7 +318,7 @@ def test_attention_dropout_outside_a_micro_batch_is_plain_dropout():
 def test_onednn_linear_is_f_linear_forward_and_backward(library, monkeypatch):
     """The CPU's float32 linear layers (oneDNN's inner product; MKL's GEMM where that runs AVX-512 kernels) compute
     F.linear and its gradients, up to rounding; under autocast and in other dtypes F.linear itself runs."""
-    from toolkit.models import onednn
+    from toolkit.kernels import onednn
     from toolkit.models.sasrec import linear
 
     monkeypatch.setattr(onednn, "products_by", lambda: library)

@@ -93,6 +93,11 @@ class TrainConfig:
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = the launcher's choice (OMP_NUM_THREADS,
     or Accelerate's physical cores / local processes). One process with many threads is seed 000's CPU-node mode."""
+    kernels: Literal["auto", "plain"] = "auto"
+    """auto: the model's fast paths (toolkit/kernels/: CPU products, attention with its backward written out, fused
+    sequence kernels) are swapped in where they apply, after proving at the start, on one batch, that they compute
+    what the model file's code computes (a difference is one line, exit 2). plain: exactly the code in the model file.
+    They differ in rounding only, so a resume keeps the run's choice."""
     compile: bool = False
     """torch.compile the model (inductor)."""
     cuda_graphs: bool = False
@@ -284,6 +289,7 @@ RESUMABLE_CHANGES = {
 # Flags added after runs were made, with the value that reproduces what those runs did: a run whose config.json
 # lacks one resumes with that value as if it had been given (any other value is a change, refused as usual).
 ADDED_FLAGS = {
+    "kernels": "auto",
     "scale_lr": "none",
     "eval_full_test_every": 0,
     "output_activation": "none",

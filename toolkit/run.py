@@ -39,7 +39,19 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import checkpoint, compilation, extras, heap, openmp, orphans, precision, preemption, shutdown, step_graph
+from toolkit import (
+    checkpoint,
+    compilation,
+    extras,
+    heap,
+    kernels,
+    openmp,
+    orphans,
+    precision,
+    preemption,
+    shutdown,
+    step_graph,
+)
 from toolkit.accelerator import ToolkitAccelerator
 from toolkit.config import RESUMABLE_CHANGES, TrainConfig, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
 from toolkit.console import write_line
@@ -130,6 +142,26 @@ class Run:
     def print(self, *args) -> None:
         """Print on the main process only."""
         self.accelerator.print(*args, flush=True)
+
+    def with_kernels(self, model: torch.nn.Module, example) -> torch.nn.Module:
+        """The model with its fast paths swapped in under --kernels auto, proven at this start to compute what the
+        model file's code computes (toolkit.kernels): `example(model)` runs one batch of a few samples at the model's
+        own sizes, which this call puts on the run's device and runs under its autocast. Before the loop starts, so
+        that a difference stops the run (one line, exit 2, on every rank) before its directory is made. Says which
+        modules were swapped."""
+        model.to(self.accelerator.device)
+        problem, swapped = None, []
+        try:
+            swapped = kernels.with_kernels(model, self.config.kernels, example, autocast=self.accelerator.autocast)
+        except UsageError as error:
+            problem = error
+        _raise_if_any(self.accelerator, problem)
+        if swapped:
+            fast = sorted({f"{type(module).__module__}.{type(module).__qualname__}"
+                           for name, module in model.named_modules() if (name or type(model).__name__) in swapped})
+            self.print(f"kernels: {', '.join(fast)}, proven equal to the model's code on one batch "
+                       "(--kernels plain trains the model's code alone)")
+        return model
 
     def write_artifact(self, name: str, write) -> Path | None:
         """RUN_DIR/name written by the main process only (a plot, an export): write(path) is called there with a

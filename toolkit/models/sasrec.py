@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.models.onednn import linear  # F.linear, by oneDNN on the CPU in float32 (1.8-2.6x at these sizes)
+from toolkit.kernels.onednn import linear  # F.linear, by oneDNN on the CPU in float32 (1.8-2.6x at these sizes)
 from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
 
 NORMS = ("post", "pre", "original")
