@@ -164,7 +164,8 @@ def _announced_micro_batch() -> Iterator[None]:
 def _state_kept(model: nn.Module) -> Iterator[None]:
     """The model's state (parameters, buffers) and gradients as they were, whatever the runs inside did."""
     state = {name: value.detach().clone() for name, value in model.state_dict(keep_vars=True).items()}
-    grads = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     try:
         yield
     finally:
@@ -186,20 +187,38 @@ def _owner(parameter: str, swapped: dict) -> str | None:
     return min(owners, key=len) if owners else None
 
 
+def _passes(model: nn.Module, swapped: dict, example, autocast, record: bool) -> tuple[_Pass, _Pass]:
+    """`example` run by the model as written, then converted; `record`: each swapped module's outputs too."""
+    with _state_kept(model):
+        _set_classes(model, swapped, 0)
+        try:
+            plain = _Pass(model, swapped if record else {}, example, autocast)
+            model.zero_grad(set_to_none=True)
+        finally:
+            _set_classes(model, swapped, 1)
+        fast = _Pass(model, swapped if record else {}, example, autocast)
+    return plain, fast
+
+
+def _agree(plain: _Pass, fast: _Pass) -> bool:
+    """The model's outputs and every parameter's gradient within rounding."""
+    if len(plain.outputs) != len(fast.outputs) or plain.gradients.keys() != fast.gradients.keys():
+        return False
+    pairs = [*zip(plain.outputs, fast.outputs, strict=True),
+             *((plain.gradients[name], fast.gradients[name]) for name in plain.gradients)]
+    return all(_difference(f, p) <= _tolerance(p) for p, f in pairs)
+
+
 def prove(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], *,
           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
           flag: str = "--kernels auto") -> None:
     """Run `example` with the model as written and converted (model holds the fast classes of `swapped`); one line
     (UsageError) at the first difference beyond rounding. The model, its gradients and the random generators are
-    left as they were."""
-    with _state_kept(model):
-        _set_classes(model, swapped, 0)
-        try:
-            plain = _Pass(model, swapped, example, autocast)
-            model.zero_grad(set_to_none=True)
-        finally:
-            _set_classes(model, swapped, 1)
-        fast = _Pass(model, swapped, example, autocast)
+    left as they were. The outputs and gradients are compared first; only when they differ are both runs made again
+    recording every swapped module's outputs, to name the one that differs first."""
+    if _agree(*_passes(model, swapped, example, autocast, record=False)):
+        return
+    plain, fast = _passes(model, swapped, example, autocast, record=True)
     where = f"on {next(model.parameters()).device.type}"
 
     def refuse(name: str, what: str, difference: float, tensor: torch.Tensor) -> None:
