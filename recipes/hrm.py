@@ -87,6 +87,9 @@ CELLS = 81
 class HRMConfig(TrainConfig):
     """HRM on Sudoku; the defaults are the `cpu-small` preset's (PRESETS below)."""
 
+    # Flags added after runs were made: a run whose config.json lacks one resumes with this value (not a flag)
+    added_flags = {"eval_full_test_every": 0}
+
     data: Path | None = None
     """A dataset built by `python -m toolkit.data.sudoku build`, or a folder with the Sudoku-Extreme train.csv and
     test.csv. Default: the preset's generated puzzles, built once into --cache-dir."""

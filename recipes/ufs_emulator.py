@@ -89,6 +89,9 @@ from toolkit.tracking import format_table
 class UfsConfig(TrainConfig):
     """The sea-ice emulator; the defaults are the `cpu` preset's (PRESETS below)."""
 
+    # Flags added after runs were made: a run whose config.json lacks one resumes with this value (not a flag)
+    added_flags = {"output_activation": "none", "domain": "toolkit", "mask": "variable"}
+
     data: Path | None = None
     """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one); with
     --data-atmos, the ocean/ice file."""

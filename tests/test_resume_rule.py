@@ -166,3 +166,33 @@ def test_a_resume_with_every_resumable_field_changed_trains_bit_identically(reci
     different = [k for k in a if not (a[k] == b[k]).all()]
     assert not different, f"resumable fields changed the training of {different}"
     assert (resumed / "checkpoints" / f"step_{STEPS + 1}").is_dir()  # the changed --max-steps took effect
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: Path(r).stem)
+def test_a_run_made_before_a_flag_was_added_resumes_with_its_recorded_value_and_verifies(recipe, configs, tmp_path):
+    """A config.json without a flag added since (the shared ADDED_FLAGS, and the recipe's own `added_flags`, which
+    the recipe registers, not the core) resumes as if the value that reproduces it had been given; another value is
+    refused. verify compares a checkpoint's settings with config.json's record of the added flags alone (no recipe
+    loaded)."""
+    from toolkit.checkpoint import SETTINGS, settings_changes
+    from toolkit.config import ADDED_FLAGS, ADDED_FLAGS_KEY, added_flags
+
+    cls = configs[recipe]
+    added = added_flags(cls)
+    assert ADDED_FLAGS.items() <= added.items()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert set(added) <= fields, set(added) - fields
+    base = dataclasses.replace(cls(), preset="default", **added)
+    values = config_values(base)
+    older = {key: value for key, value in values.items() if key not in added}
+    (tmp_path / "config.json").write_text(json.dumps({"config": older}))
+    assert _previous_config(tmp_path, base)["config"] == older
+    for name, value in added.items():
+        with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} "):
+            _previous_config(tmp_path, dataclasses.replace(base, **{name: changed(value)}))
+    step = tmp_path / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "progress.json").write_text(json.dumps({"global_step": 1, SETTINGS: {"config": older}}))
+    assert settings_changes(step, {"config": values, ADDED_FLAGS_KEY: added}) == []
+    if set(added) - set(ADDED_FLAGS):  # without the record, a recipe's own added flag reads as a change
+        assert settings_changes(step, {"config": values}) != []

@@ -30,7 +30,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from toolkit.config import changed_flags
+from toolkit.config import ADDED_FLAGS_KEY, changed_flags
 from toolkit.errors import RunFailed, UsageError
 from toolkit.rundir import RunDir
 
@@ -181,7 +181,8 @@ def settings_changes(checkpoint: Path, config_json: dict) -> list[str] | None:
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         return None
     config = config_json.get("config") if isinstance(config_json.get("config"), dict) else {}
-    changes = changed_flags(record["config"], config)
+    added = config_json.get(ADDED_FLAGS_KEY) if isinstance(config_json.get(ADDED_FLAGS_KEY), dict) else None
+    changes = changed_flags(record["config"], config, added)
     data = config_json.get("data") if isinstance(config_json.get("data"), dict) else {}
     if record.get("data") is not None and record["data"] != data.get("fingerprint"):
         changes.append(f"data fingerprint {record['data']!r} -> {data.get('fingerprint')!r}")

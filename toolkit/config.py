@@ -286,28 +286,34 @@ RESUMABLE_CHANGES = {
 }
 
 
-# Flags added after runs were made, with the value that reproduces what those runs did: a run whose config.json
-# lacks one resumes with that value as if it had been given (any other value is a change, refused as usual).
+# Shared flags added after runs were made, with the value that reproduces what those runs did: a run whose
+# config.json lacks one resumes with that value as if it had been given (any other value is a change, refused as
+# usual). A recipe's own added flags are its config class's `added_flags` (a plain class attribute, not a field);
+# config.json records both (ADDED_FLAGS_KEY), so that `verify` compares a run's settings without its recipe.
 ADDED_FLAGS = {
     "kernels": "auto",
     "scale_lr": "none",
-    "eval_full_test_every": 0,
-    "output_activation": "none",
-    "domain": "toolkit",
-    "mask": "variable",
-    # runs before it computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto: fused on
-    # CUDA)
-    "sequence_kernel": "cells",
 }
+ADDED_FLAGS_KEY = "added_flags"
 
 
-def changed_flags(old: dict, new: dict) -> list[str]:
+def added_flags(config: TrainConfig | type[TrainConfig]) -> dict:
+    """ADDED_FLAGS and the `added_flags` of the recipe's config class (and of its bases)."""
+    cls = config if isinstance(config, type) else type(config)
+    merged = dict(ADDED_FLAGS)
+    for base in reversed(cls.__mro__):
+        merged.update(vars(base).get("added_flags", {}))
+    return merged
+
+
+def changed_flags(old: dict, new: dict, added: Mapping | None = None) -> list[str]:
     """The flags that differ between two configs (config.json's "config"), as "--lr 0.001 -> 0.1", those a resume
-    may change aside."""
+    may change aside. `added`: the flags added since, with the values that reproduce older runs (`added_flags`;
+    default ADDED_FLAGS, the shared ones)."""
     if "preset" not in old or old["preset"] is None:
         # A run made before its recipe had presets ran with the values of today's default one; its other flags are
         # compared one by one all the same.
         old = {**old, "preset": new.get("preset")}
-    old = {**{key: value for key, value in ADDED_FLAGS.items() if key in new}, **old}
+    old = {**{key: value for key, value in (ADDED_FLAGS if added is None else added).items() if key in new}, **old}
     return [f"--{key.replace('_', '-')} {old.get(key)!r} -> {new.get(key)!r}"
             for key in sorted(set(old) | set(new)) if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]

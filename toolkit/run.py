@@ -53,7 +53,7 @@ from toolkit import (
     step_graph,
 )
 from toolkit.accelerator import ToolkitAccelerator
-from toolkit.config import RESUMABLE_CHANGES, TrainConfig, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
+from toolkit.config import ADDED_FLAGS_KEY, RESUMABLE_CHANGES, TrainConfig, added_flags, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
 from toolkit.console import write_line
 from toolkit.devices import runs_on_cpu
 from toolkit.distributed import watch_peers
@@ -491,7 +491,7 @@ def _readable_config_json(run_dir: Path) -> dict:
 def _previous_config(run_dir: Path, config: TrainConfig) -> dict:
     """The resumed run's config.json; refuses flags that changed what a step computes."""
     previous = _readable_config_json(run_dir)
-    changed = changed_flags(previous["config"], config_values(config))
+    changed = changed_flags(previous["config"], config_values(config), added_flags(config))
     if changed:
         raise UsageError(f"cannot resume {run_dir} with changed settings: {'; '.join(changed)}; use the run's "
                          f"values (see its {CONFIG_FILE}) or start a new run with another --output-dir")
@@ -511,7 +511,7 @@ def _newest_resumable_run(recipe_root: Path, config: TrainConfig, say=None) -> P
         previous = _read_config_json(path) if newest is not None else None
         if not (previous and isinstance(previous.get("config"), dict)):
             continue
-        changed = changed_flags(previous["config"], new)
+        changed = changed_flags(previous["config"], new, added_flags(config))
         (others if changed else runs).append((newest.stat().st_mtime, str(path), changed))
     if others and say is not None and (not runs or max(others) > max(runs)):
         _, newest_other, changed = max(others)
@@ -635,6 +635,7 @@ def _write_config_json(run: Run) -> None:
         "run_name": run.run_name,
         "run_id": run.run_id,
         "config": config_values(run.config),
+        ADDED_FLAGS_KEY: added_flags(run.config),
         "world_size": accelerator.num_processes,
         "world_sizes": world_sizes,
         "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("GROUP_WORLD_SIZE", "1")) or 1),
