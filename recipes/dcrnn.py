@@ -25,9 +25,9 @@ flags given with a preset override its values.
 Errors (one line, exit 2, before anything is written): no --data, a --data directory without exactly one .h5 table and
 one adj*.pkl, a table that is not pandas HDF5, has no time index, irregular timestamps, non-numeric or negative
 speeds, or fewer timesteps than one window per part; an adjacency that is not [ids, index, matrix], whose size or ids
-disagree with the table; out-of-range numbers; --sequence-kernel fused with --compile; --batch-size not divisible by
-the process count or larger than the training windows; and the shared flags' errors (fp16 on CPU, bad --resume-from,
---output-dir in use...).
+disagree with the table; out-of-range numbers; --sequence-kernel fused with --compile or with --kernels plain;
+--batch-size not divisible by the process count or larger than the training windows; and the shared flags' errors
+(fp16 on CPU, bad --resume-from, --output-dir in use...).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean
 from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
+from toolkit.kernels import dcrnn as dcrnn_kernels
 from toolkit.loop import TrainingLoop
 from toolkit.metrics import masked_error_sums
 from toolkit.models.dcrnn import DCRNN, sampling_probability
@@ -105,7 +106,8 @@ class DCRNNConfig(TrainConfig):
     """How the model's forward and backward run (the same function up to rounding): `fused`, the whole sequence as
     one autograd function with a hand-written backward (~930 kernels an optimizer step instead of ~3,000); `cells`,
     a DCGRU cell step at a time under autograd; `auto`, fused on CUDA and cells on CPU (where the cells are faster)
-    and under --compile (which traces the cells). A resume keeps the run's value."""
+    and under --compile (which traces the cells). The fused kernel is a fast path (toolkit/kernels/dcrnn.py), so it
+    runs under --kernels auto only; --kernels plain trains the cells. A resume keeps the run's value."""
 
     captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
@@ -143,6 +145,10 @@ def check(cfg: DCRNNConfig) -> None:
                 else "compiled (--compile traces the cells)")
         raise UsageError(f"--sequence-kernel fused cannot be {what}; give "
                          f"--sequence-kernel auto or cells with {flag}, or leave {flag} out")
+    if cfg.sequence_kernel == "fused" and cfg.kernels == "plain":
+        raise UsageError("--sequence-kernel fused is a fast path (toolkit/kernels/dcrnn.py) that --kernels plain "
+                         "leaves out; give --kernels auto with it, or --sequence-kernel cells or auto with "
+                         "--kernels plain")
     if any(epoch < 1 for epoch in cfg.lr_decay_epochs):
         raise UsageError(f"--lr-decay-epochs {' '.join(map(str, cfg.lr_decay_epochs))} is invalid; give epochs >= 1")
 
@@ -205,8 +211,18 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         horizon=OUTPUT_STEPS,
         sequence_kernel="cells" if cfg.cuda_graphs else cfg.sequence_kernel,  # (a captured step: the cells)
     )
-    # the kernel this run's forwards take: the compiled model traces the cells; auto's choice depends on the device
-    kernel = "cells" if cfg.compile or cfg.cuda_graphs else model.kernel_for(accelerator.device)
+    # --kernels auto: the fast paths swapped in (toolkit/kernels/dcrnn.py), proven on two training windows at the
+    # model's sizes, called as the step calls it: with teacher values and coins, the truth fed back at every other
+    # decoder step (each sample on the other steps), so both of the decoder's branches run
+    two = [split.train[i] for i in (0, len(split.train) - 1)]
+    x, truth = (torch.stack([w[key] for w in two]).to(accelerator.device) for key in ("x", "y"))
+    horizons = torch.arange(OUTPUT_STEPS, device=accelerator.device)
+    coins = (horizons[None, :] + torch.arange(2, device=accelerator.device)[:, None]) % 2 == 0
+    model = run.with_kernels(model, lambda m: m(x, split.scaler.transform(truth), coins))
+    # the kernel this run's forwards take: the model file's cells without the fast path (--kernels plain), and when
+    # compiled (traced) or captured; auto's choice depends on the device
+    fast = isinstance(model, dcrnn_kernels.DCRNN) and not (cfg.compile or cfg.cuda_graphs)
+    kernel = model.kernel_for(accelerator.device) if fast else "cells"
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, eps=1e-3)  # the reference's eps
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)  # as the loop counts them
     milestones = [epoch * steps_per_epoch for epoch in cfg.lr_decay_epochs]

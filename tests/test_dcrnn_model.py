@@ -1,5 +1,6 @@
 """The DCRNN model: random-walk supports, diffusion convolution against a direct computation, the graph's
-locality, scheduled sampling (decay and rank-free coins), shapes and a few training steps."""
+locality, scheduled sampling (decay and rank-free coins), shapes and a few training steps; the model file's cells
+and its fast paths (toolkit/kernels/dcrnn.py: the diffusion's written-out backward, the fused sequence kernel)."""
 
 import copy
 import math
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from toolkit import kernels
+from toolkit.kernels import dcrnn as dcrnn_kernels
 from toolkit.models import dcrnn
 from toolkit.models.dcrnn import DCRNN, DiffusionConv, random_walk_supports, sampling_probability
 from toolkit.randomness import keyed_uniform
@@ -15,6 +18,18 @@ from toolkit.randomness import keyed_uniform
 # Tiny tensors: one thread (on a busy 2-core machine more threads mostly wait for each other).
 torch.set_num_threads(1)
 CHAIN = np.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.8], [0.2, 0.0, 1.0]])  # a directed 3-node graph
+
+
+def fast(model: DCRNN) -> DCRNN:
+    """The model with its fast paths swapped in (toolkit.kernels.convert, as --kernels auto does; no proof)."""
+    kernels.convert(model)
+    assert type(model) is dcrnn_kernels.DCRNN and type(model.diffusion) is dcrnn_kernels.GraphDiffusion
+    return model
+
+
+def cells(model: DCRNN, *args) -> torch.Tensor:
+    """The model file's forward, the cells (on a converted model: through its fast diffusion)."""
+    return dcrnn.DCRNN.forward(model, *args)
 
 
 def test_dual_random_walk_supports_against_hand_computed_matrices():
@@ -166,15 +181,21 @@ def _recurrence_dcrnn(model, adjacency, x, teacher=None, use_teacher=None):
     return torch.stack(outputs, dim=1)
 
 
+@pytest.mark.parametrize("converted", [False, True], ids=["plain", "converted"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("steps", [1, 2, 3])
-def test_model_equals_the_recurrence_formulation_in_float64_values_and_gradients(steps, sparse, monkeypatch):
+def test_model_equals_the_recurrence_formulation_in_float64_values_and_gradients(steps, sparse, converted,
+                                                                                   monkeypatch):
+    # The model file's cells (autograd through the diffusion's product), and converted (the diffusion's backward
+    # written out, toolkit/kernels/dcrnn.py's _DiffuseFlat)
     monkeypatch.setattr(dcrnn, "SPARSE_DENSITY", 2.0 if sparse else 0.0)  # force the product's path
     rng = np.random.default_rng(steps)
     adjacency = (rng.random((6, 6)) < 0.4) * rng.random((6, 6)) + np.eye(6)
     adjacency[5] = adjacency[:, 5] = 0  # a sensor without degree: rows of zeros in both walks
     torch.manual_seed(steps)
     model = DCRNN(adjacency, units=5, layers=2, diffusion_steps=steps, horizon=4).double()
+    if converted:
+        fast(model)
     x = torch.randn(3, 12, 6, 2, dtype=torch.float64)
     teacher = torch.randn(3, 4, 6, dtype=torch.float64)
     coins = torch.rand(3, 4) < 0.5
@@ -277,8 +298,9 @@ def test_under_autocast_the_operator_is_built_once_per_dtype():
     assert all(model.diffusion._cache[key][0] is first[key][0] for key in first)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_compile_traces_the_whole_forward_as_one_graph(layers):
+@pytest.mark.parametrize("layers, converted", [(1, True), (2, True), (1, False)],
+                         ids=["1-layer-converted", "2-layers-converted", "1-layer-plain"])
+def test_compile_traces_the_whole_forward_as_one_graph(layers, converted):
     # --compile: the diffusion's cached operator (a data pointer in its key, a host value for its density) broke the
     # graph at every diffusion, 28 graphs a forward, and iterating the ModuleList in a comprehension made dynamo fall
     # back to eager for the whole forward. Dynamo's own tracing (the eager backend: no inductor, seconds) must see
@@ -286,6 +308,8 @@ def test_compile_traces_the_whole_forward_as_one_graph(layers):
     ring = np.eye(20) + np.roll(np.eye(20), 1, axis=1)  # sparse: the eager model uses its sparse path
     torch.manual_seed(0)
     model = DCRNN(ring, units=4, layers=layers)
+    if converted:  # what --kernels auto compiles: the cells, through the diffusion's written-out backward
+        fast(model)
     args = (torch.randn(2, 12, 20, 2), torch.randn(2, 12, 20), torch.rand(2, 12) < 0.5)
     explained = torch._dynamo.explain(model)(*args)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons[:3]
@@ -294,21 +318,30 @@ def test_compile_traces_the_whole_forward_as_one_graph(layers):
     torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-5, atol=1e-6)  # dense in the graph, sparse eager
 
 
-# ---- the fused sequence kernel (issue 23 item 3): the same function as the cells, in far fewer kernels --------------
+# ---- the fused sequence kernel (toolkit/kernels/dcrnn.py): the same function as the cells, in far fewer kernels -----
 
 
 def test_the_sequence_kernel_is_fused_on_cuda_and_the_cells_on_cpu_unless_named(monkeypatch):
-    model = DCRNN(CHAIN, units=4)
+    model = fast(DCRNN(CHAIN, units=4))
     assert (model.kernel_for("cpu"), model.kernel_for(torch.device("cuda", 0))) == ("cells", "fused")
     for named in ("fused", "cells"):
-        assert {DCRNN(CHAIN, units=4, sequence_kernel=named).kernel_for(d) for d in ("cpu", "cuda")} == {named}
+        assert {fast(DCRNN(CHAIN, units=4, sequence_kernel=named)).kernel_for(d) for d in ("cpu", "cuda")} == {named}
     with pytest.raises(ValueError, match="sequence_kernel 'fast'"):
         DCRNN(CHAIN, units=4, sequence_kernel="fast")
+    x = torch.randn(2, 12, 3, 2)
+    # the model file's forward is the cells, whatever the model is told (--kernels plain); converted, "fused" is
+    # the fused kernel
+    torch.manual_seed(0)
+    plain = DCRNN(CHAIN, units=4, sequence_kernel="fused")
+    assert torch.equal(plain(x), cells(plain, x))
+    converted, taken = fast(copy.deepcopy(plain)), []
+    fused_forward = dcrnn_kernels.DCRNN.fused_forward
+    monkeypatch.setattr(dcrnn_kernels.DCRNN, "fused_forward", lambda *args: taken.append(1) or fused_forward(*args))
+    assert torch.allclose(converted(x), plain(x), atol=1e-6) and taken == [1]
     # traced by torch.compile, even a model told "fused" runs the cells (the fused kernel does not trace)
-    fused = DCRNN(CHAIN, units=4, sequence_kernel="fused")
-    monkeypatch.setattr(DCRNN, "fused_forward", lambda *args: pytest.fail("the fused kernel under compile"))
+    monkeypatch.setattr(dcrnn_kernels.DCRNN, "fused_forward", lambda *args: pytest.fail("the fused kernel traced"))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert fused(torch.randn(2, 12, 3, 2)).shape == (2, 12, 3)
+    assert converted(x).shape == (2, 12, 3)
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
@@ -322,18 +355,19 @@ def test_fused_kernel_equals_the_cells_in_float64_values_and_gradients(layers, i
     # The fused kernel (one autograd Function: the encoder's layers as a wavefront, a hand-written backward) against
     # the cells (a DCGRUCell step at a time, autograd): values and the gradients of the parameters, of the input and
     # of the teacher values, to float64 rounding.
-    monkeypatch.setattr(dcrnn, "FUSED_SPARSE_DENSITY", 2.0 if sparse else 0.0)  # force the fused products' path
+    monkeypatch.setattr(dcrnn_kernels, "FUSED_SPARSE_DENSITY", 2.0 if sparse else 0.0)  # force the products' path
     rng = np.random.default_rng(layers)
     adjacency = (rng.random((6, 6)) < 0.4) * rng.random((6, 6)) + np.eye(6)
     torch.manual_seed(layers)
     model = DCRNN(adjacency, input_dim=input_dim, output_dim=output_dim, units=5, layers=layers, horizon=5).double()
+    fast(model)
     x = torch.randn(3, 4, 6, input_dim, dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True) if forcing else None
     coins = torch.rand(3, 5) < 0.5 if forcing else None
     inputs = [x, teacher] if forcing else [x]
-    ours, reference = model.fused_forward(x, teacher, coins), model.cells_forward(x, teacher, coins)
-    assert model.diffusion.fused_sparse(x.device, x.dtype) == sparse
-    assert {operator.layout for operator in model.diffusion._fused_cache.values()} == {
+    ours, reference = model.fused_forward(x, teacher, coins), cells(model, x, teacher, coins)
+    assert dcrnn_kernels.fused_sparse(model.diffusion, x.device, x.dtype) == sparse
+    assert {operator.layout for operator in dcrnn_kernels.fused_operators(model.diffusion).cache.values()} == {
         torch.sparse_csr if sparse else torch.strided}
     assert ours.shape == reference.shape == (3, 5, 6)
     assert torch.allclose(ours, reference, rtol=0, atol=1e-12)
@@ -348,14 +382,14 @@ def test_fused_kernel_equals_the_cells_in_float64_values_and_gradients(layers, i
 def test_fused_kernel_in_its_cuda_form_equals_the_cells_in_float64(monkeypatch):
     # What differs on CUDA, taken on CPU: dense operators (batched products) and no reused scratch buffers (the
     # products allocate their outputs, as CUDA's caching allocator makes cheap). No GPU run has checked it.
-    monkeypatch.setattr(dcrnn, "FUSED_SPARSE_DENSITY", 0.0)
-    monkeypatch.setattr(dcrnn._Run, "scratch", lambda self, name, rows, columns: None)
+    monkeypatch.setattr(dcrnn_kernels, "FUSED_SPARSE_DENSITY", 0.0)
+    monkeypatch.setattr(dcrnn_kernels._Run, "scratch", lambda self, name, rows, columns: None)
     torch.manual_seed(0)
-    model = DCRNN(RING[:8, :8], units=5, layers=2, horizon=4).double()
+    model = fast(DCRNN(RING[:8, :8], units=5, layers=2, horizon=4).double())
     x = torch.randn(3, 5, 8, 2, dtype=torch.float64)
     teacher, coins = torch.randn(3, 4, 8, dtype=torch.float64), torch.rand(3, 4) < 0.5
-    ours, reference = model.fused_forward(x, teacher, coins), model.cells_forward(x, teacher, coins)
-    assert model._scratch == {} and torch.allclose(ours, reference, rtol=0, atol=1e-12)
+    ours, reference = model.fused_forward(x, teacher, coins), cells(model, x, teacher, coins)
+    assert dcrnn_kernels._state(model).scratch == {} and torch.allclose(ours, reference, rtol=0, atol=1e-12)
     weights = torch.randn_like(ours)
     grads = torch.autograd.grad((ours * weights).sum(), list(model.parameters()))
     expected = torch.autograd.grad((reference * weights).sum(), list(model.parameters()))
@@ -371,33 +405,34 @@ def test_fused_kernel_under_autocast_is_within_the_dtypes_rounding(adjacency, dt
     # 5.6); the products run in the autocast dtype (its operators only), the parameters' gradients in float32.
     eps, nodes = torch.finfo(dtype).eps, adjacency.shape[0]
     torch.manual_seed(0)
-    model = DCRNN(adjacency, units=4, sequence_kernel="fused")
+    model = fast(DCRNN(adjacency, units=4, sequence_kernel="fused"))
     x, teacher, coins = torch.randn(2, 12, nodes, 2), torch.randn(2, 12, nodes), torch.rand(2, 12) < 0.5
     weights = torch.randn(2, 12, nodes)
     with torch.autocast("cpu", dtype=dtype):
         out = model(x, teacher, coins)
     assert out.dtype == dtype and model.diffusion._cache == {}  # the cells' operators unused
-    assert {key[1] for key in model.diffusion._fused_cache} == {dtype}
+    assert {key[1] for key in dcrnn_kernels.fused_operators(model.diffusion).cache} == {dtype}
     assert_low_precision_close_to_float64(model, adjacency, x, teacher, coins, out, weights, eps)
 
 
 def test_under_autocast_the_fused_kernels_operators_are_built_once(monkeypatch):
     # A forward and its backward use the diffusion matrices as "spread" and its transpose "collect" (dense in bf16);
     # each is built once for its device and dtype, then reused: a rebuild is a conversion every diffusion.
-    model = DCRNN(RING, units=4, sequence_kernel="fused")
+    model = fast(DCRNN(RING, units=4, sequence_kernel="fused"))
+    operators = dcrnn_kernels.fused_operators(model.diffusion).cache
 
     def forward_once():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(torch.randn(2, 12, 40, 2), torch.randn(2, 12, 40), torch.rand(2, 12) < 0.5).float().sum().backward()
 
     forward_once()
-    first = dict(model.diffusion._fused_cache)
+    first = dict(operators)
     assert sorted((key[1], key[2]) for key in first) == [(torch.bfloat16, "collect"), (torch.bfloat16, "spread")]
     built = []
-    monkeypatch.setattr(dcrnn.GraphDiffusion, "_fused_matrix", lambda self, kind: built.append(kind))
+    monkeypatch.setattr(dcrnn_kernels, "fused_matrix", lambda diffusion, kind: built.append(kind))
     forward_once()
     assert built == []  # the second forward built nothing
-    assert all(model.diffusion._fused_cache[key] is first[key] for key in first)
+    assert all(operators[key] is first[key] for key in first)
 
 
 def test_the_fused_kernels_reused_buffers_never_serve_two_live_forwards():
@@ -406,7 +441,7 @@ def test_the_fused_kernels_reused_buffers_never_serve_two_live_forwards():
     # order (gradient accumulation), must not see each other's buffers.
     ring = np.eye(20) + np.roll(np.eye(20), 1, axis=1)
     torch.manual_seed(0)
-    model = DCRNN(ring, units=4, sequence_kernel="fused")
+    model = fast(DCRNN(ring, units=4, sequence_kernel="fused"))
     x1, x2 = torch.randn(2, 12, 20, 2), torch.randn(2, 12, 20, 2)
     with torch.no_grad():
         kept = model(x1)
@@ -426,14 +461,14 @@ def test_the_fused_kernels_reused_buffers_never_serve_two_live_forwards():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="runs once per forward"):
         out.sum().backward()
-    fresh = DCRNN(ring, units=4, sequence_kernel="fused")
+    fresh = fast(DCRNN(ring, units=4, sequence_kernel="fused"))
     with torch.inference_mode():  # buffers made there cannot be written outside it: not kept for training
         fresh(x1)
     fresh(x1).sum().backward()
 
 
 def test_a_training_step_of_the_cpu_preset_model_fused_dispatches_a_third_of_the_cells_kernels():
-    # Issue 23 item 3: the kernels of a forward and backward depend on the steps and layers, not on the sizes. Fused:
+    # The kernels of a forward and backward depend on the steps and layers, not on the sizes. Fused:
     # 9 a cell step forward, 11 backward, the encoder's 2 layers as one wavefront (13 steps), the decoder's 24 cells,
     # the fed-back value 1 + 1 a decoder step, and a few dozen for the whole sequence: 799 (with the loss's sum and
     # its gradient, 801). The cells: 2,882.
@@ -450,7 +485,7 @@ def test_a_training_step_of_the_cpu_preset_model_fused_dispatches_a_third_of_the
     x, teacher, coins = torch.randn(4, 12, 20, 2), torch.randn(4, 12, 20), torch.rand(4, 12) < 0.5
     counts = {}
     for kernel in ("fused", "cells"):
-        model = DCRNN(ring, units=16, layers=2, diffusion_steps=2, sequence_kernel=kernel)
+        model = fast(DCRNN(ring, units=16, layers=2, diffusion_steps=2, sequence_kernel=kernel))
         model(x, teacher, coins).sum().backward()  # operators built, buffers pooled
         model.zero_grad(set_to_none=True)
         with Count() as count:

@@ -3,6 +3,7 @@
 bad inputs (one error line, exit 2, nothing created), and the 2-node CPU sbatch job on the local SLURM cluster."""
 
 import csv
+import math
 import pickle
 import shutil
 
@@ -153,6 +154,7 @@ def test_the_fused_sequence_kernel_trains_and_resumes_bit_identically(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = run_recipe([*flags, "--output-dir", str(straight)], recipe="dcrnn")
     assert "K=2, fused sequence kernel" in first.stdout
+    assert "kernels: toolkit.kernels.dcrnn.DCRNN, toolkit.kernels.dcrnn.GraphDiffusion, proven equal" in first.stdout
     assert read_json(straight / "config.json")["config"]["sequence_kernel"] == "fused"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_6")
@@ -163,6 +165,17 @@ def test_the_fused_sequence_kernel_trains_and_resumes_bit_identically(tmp_path):
     assert logged_losses(straight) == logged_losses(resumed)
     losses = logged_losses(straight)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]  # it trained
+
+
+def test_kernels_plain_trains_the_model_files_cells(tmp_path):
+    # --kernels plain: no fast path swapped in, the model file's cells (and its diffusion through autograd) train
+    flags = args("--max-steps", "3", "--eval-every-steps", "3", "--log-with", "csv", "--log-every", "1",
+                 "--kernels", "plain")
+    done = run_recipe([*flags, "--output-dir", str(tmp_path / "plain")], recipe="dcrnn")
+    assert "K=2, cells sequence kernel" in done.stdout and "kernels:" not in done.stdout
+    assert read_json(tmp_path / "plain" / "config.json")["config"]["kernels"] == "plain"
+    losses = logged_losses(tmp_path / "plain")
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(loss) for loss in losses.values())
 
 
 # ---- bad input: one `error:` line, exit 2, the directory tree unchanged ----------------------------------------
@@ -222,6 +235,8 @@ BAD_INPUTS = [
     ("batch-larger-than-data", ["--batch-size", "4096"], ["--batch-size 4096", "985 training windows"]),
     ("fused-kernel-compiled", ["--sequence-kernel", "fused", "--compile"],
      ["--sequence-kernel fused cannot be compiled", "--compile traces the cells"]),
+    ("fused-kernel-plain", ["--sequence-kernel", "fused", "--kernels", "plain"],
+     ["--sequence-kernel fused is a fast path", "--kernels plain leaves out", "give --kernels auto with it"]),
 ]
 
 
