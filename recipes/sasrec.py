@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
 from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, most_touched, prepare_movielens
@@ -234,6 +234,16 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
         dropout=cfg.dropout, norm=cfg.norm, time_aware=time_aware, time_span=cfg.time_span,
         mhc=cfg.variant.endswith("-mhc"), mhc_streams=cfg.mhc_streams,
     )
+    # --kernels auto: the CPU fast paths swapped in, proven on two users' training sequences at the run's maxlen,
+    # in training mode (dropout on), through the hidden states and the scores of two items a position
+    two = default_collate([train_set[index] for index in range(min(2, len(train_set)))])
+    two = {key: value.to(accelerator.device) for key, value in two.items()}
+
+    def example(m):
+        hidden = m(two["input"], two["time"] if time_aware else None)
+        return hidden, m.score_items(hidden, torch.stack([two["target"], two["input"]], dim=-1))
+
+    model = run.with_kernels(model, example)
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (cfg.warmup_steps + 1)))

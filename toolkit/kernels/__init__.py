@@ -104,15 +104,16 @@ def _floats(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _difference(fast: torch.Tensor, plain: torch.Tensor) -> float:
-    """|fast - plain| / |plain| (Frobenius norms, in float64); inf when shapes or non-finite entries differ."""
+def _difference(fast: torch.Tensor, plain: torch.Tensor, scale: float = 0.0) -> float:
+    """|fast - plain| / max(|plain|, scale) (Frobenius norms, in float64); inf when shapes or non-finite entries
+    differ."""
     if fast.shape != plain.shape:
         return math.inf
     fast, plain = fast.detach().double(), plain.detach().double()
     finite = torch.isfinite(plain)
     if not torch.equal(finite, torch.isfinite(fast)) or not torch.equal(fast[~finite], plain[~finite]):
         return math.inf  # (nan != nan: a nan in both places is a difference too, and then the model's own problem)
-    scale = plain[finite].norm().item()
+    scale = max(plain[finite].norm().item(), scale)
     return (fast[finite] - plain[finite]).norm().item() / max(scale, 1e-30)
 
 
@@ -132,6 +133,7 @@ class _Pass:
         devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
         try:
             with torch.random.fork_rng(devices=devices), _announced_micro_batch(), autocast():
+                self.computed_in = _autocast_dtype()
                 torch.manual_seed(0)
                 outputs = _floats(example(model))
                 targets = [(index, t) for index, t in enumerate(outputs) if t.requires_grad]
@@ -176,8 +178,18 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
             p.grad = grads[name]
 
 
-def _tolerance(tensor: torch.Tensor) -> float:
-    return TOLERANCE.get(tensor.dtype, 1e-4)
+def _autocast_dtype() -> torch.dtype | None:
+    """The dtype autocast computes in here, None where it is off."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
+def _tolerance(tensor: torch.Tensor, computed_in: torch.dtype | None = None) -> float:
+    """The tensor's dtype's, or autocast's where that is coarser: a float32 gradient summed from bfloat16 products
+    carries bfloat16's rounding."""
+    return max(TOLERANCE.get(tensor.dtype, 1e-4), TOLERANCE.get(computed_in, 0.0))
 
 
 def _owner(parameter: str, swapped: dict) -> str | None:
@@ -185,6 +197,19 @@ def _owner(parameter: str, swapped: dict) -> str | None:
     fast path computes without calling)."""
     owners = [name for name in swapped if parameter.startswith(f"{name}.")]
     return min(owners, key=len) if owners else None
+
+
+def _gradient_scales(plain: _Pass, swapped: dict) -> dict[str, float]:
+    """What each parameter's gradient difference is measured against: the norm of the gradients of the swapped module
+    that holds it, all together (the others': of all the model's gradients), where that is more than its own. A
+    gradient that is zero but for rounding (a key's bias, which softmax cancels: each row of the logits' gradient
+    sums to zero; a sum over equal streams) is rounding in both runs, and different rounding where a fast path
+    computes what comes before or after it in another order: of the size of the terms summed, not of its own."""
+    norms: dict[str | None, float] = {}
+    for parameter, gradient in plain.gradients.items():
+        for owner in {_owner(parameter, swapped), None}:
+            norms[owner] = math.hypot(norms.get(owner, 0.0), gradient.detach().double().norm().item())
+    return {parameter: norms[_owner(parameter, swapped)] for parameter in plain.gradients}
 
 
 def _passes(model: nn.Module, swapped: dict, example, autocast, record: bool) -> tuple[_Pass, _Pass]:
@@ -200,13 +225,15 @@ def _passes(model: nn.Module, swapped: dict, example, autocast, record: bool) ->
     return plain, fast
 
 
-def _agree(plain: _Pass, fast: _Pass) -> bool:
+def _agree(plain: _Pass, fast: _Pass, swapped: dict) -> bool:
     """The model's outputs and every parameter's gradient within rounding."""
     if len(plain.outputs) != len(fast.outputs) or plain.gradients.keys() != fast.gradients.keys():
         return False
-    pairs = [*zip(plain.outputs, fast.outputs, strict=True),
-             *((plain.gradients[name], fast.gradients[name]) for name in plain.gradients)]
-    return all(_difference(f, p) <= _tolerance(p) for p, f in pairs)
+    scales = _gradient_scales(plain, swapped)
+    return (all(_difference(f, p) <= _tolerance(p, plain.computed_in)
+                for p, f in zip(plain.outputs, fast.outputs, strict=True))
+            and all(_difference(fast.gradients[name], p, scales[name]) <= _tolerance(p, plain.computed_in)
+                    for name, p in plain.gradients.items()))
 
 
 def prove(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], *,
@@ -216,17 +243,22 @@ def prove(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], 
     (UsageError) at the first difference beyond rounding. The model, its gradients and the random generators are
     left as they were. The outputs and gradients are compared first; only when they differ are both runs made again
     recording every swapped module's outputs, to name the one that differs first."""
-    if _agree(*_passes(model, swapped, example, autocast, record=False)):
+    if _agree(*_passes(model, swapped, example, autocast, record=False), swapped):
         return
     plain, fast = _passes(model, swapped, example, autocast, record=True)
     where = f"on {next(model.parameters()).device.type}"
+    if plain.computed_in is not None:
+        where += f" under {plain.computed_in} autocast"
+
+    def tolerance(tensor: torch.Tensor) -> float:
+        return _tolerance(tensor, plain.computed_in)
 
     def refuse(name: str, what: str, difference: float, tensor: torch.Tensor) -> None:
         plain_class, fast_class = swapped.get(name, (None, None))
         module = (f"{fast_class.__module__}.{fast_class.__qualname__} at {name!r}, the fast path of "
                   f"{plain_class.__module__}.{plain_class.__qualname__}," if fast_class else f"the converted {name!r}")
         size = "differs in shape or non-finite entries" if difference == math.inf else \
-            f"differs by {difference:.2g} (relative; rounding stays below {_tolerance(tensor):g})"
+            f"differs by {difference:.2g} (relative; rounding stays below {tolerance(tensor):g})"
         raise UsageError(f"{flag}: {module} computes another {what} than the model's own code ({size}, "
                          f"{tensor.dtype} {where}); the model's code was changed after its fast path was written: "
                          "give --kernels plain to train the model as written, or update the fast path to match")
@@ -249,20 +281,20 @@ def prove(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], 
             refuse(name, "number of outputs", math.inf, plain_outputs[0] if plain_outputs else torch.empty(0))
         for p, f in zip(plain_outputs, fast_outputs, strict=True):
             difference = _difference(f, p)
-            if difference > _tolerance(p):
+            if difference > tolerance(p):
                 refuse(name, "output", difference, p)
     if len(plain.outputs) != len(fast.outputs):
         refuse(type(model).__name__, "number of outputs", math.inf, torch.empty(0))
     for p, f in zip(plain.outputs, fast.outputs, strict=True):
         difference = _difference(f, p)
-        if difference > _tolerance(p):
+        if difference > tolerance(p):
             refuse(type(model).__name__, "output", difference, p)
     order = list(dict.fromkeys(name for name, _ in plain.calls))  # the swapped modules in the order they first ran
-    differing = []
+    differing, scales = [], _gradient_scales(plain, swapped)
     for parameter, p in plain.gradients.items():
         f = fast.gradients.get(parameter)
-        difference = math.inf if f is None else _difference(f, p)
-        if difference > _tolerance(p):
+        difference = math.inf if f is None else _difference(f, p, scales[parameter])
+        if difference > tolerance(p):
             differing.append((parameter, difference, p))
     if set(fast.gradients) - set(plain.gradients):
         parameter = sorted(set(fast.gradients) - set(plain.gradients))[0]

@@ -11,6 +11,11 @@ the plain model's names, so `mhc.load_state_dict(plain.state_dict(), strict=Fals
 and a freshly initialised mHC model computes what the plain model computes.
 
 Dropout is keyed (toolkit.randomness.KeyedDropout): a sample's masks do not depend on which rank holds it.
+
+This file is the model in plain PyTorch: F.linear, autograd, the attention written as its formula. Its fast paths
+(linear layers by oneDNN on the CPU, the attention with dropout in query chunks with its backward written out) are
+toolkit/kernels/sasrec.py's, swapped in when a run builds the model and proven equal to this file's code at every
+start (`--kernels auto`); `--kernels plain` trains this file as it is.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.kernels.onednn import linear  # F.linear, by oneDNN on the CPU in float32 (1.8-2.6x at these sizes)
 from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
 
+FAST_PATHS = "toolkit.kernels.sasrec"  # the CPU fast paths of SelfAttention and FeedForward (toolkit.kernels)
 NORMS = ("post", "pre", "original")
 
 
@@ -52,21 +57,24 @@ class SelfAttention(nn.Module):
         if query_in is kv_in:  # self-attention: one [d, 3d] product instead of three (same weights, same names)
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
             bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            qkv = linear(query_in, weight, bias)  # [B, L, 3d]: q, k, v side by side
+            qkv = F.linear(query_in, weight, bias)  # [B, L, 3d]: q, k, v side by side
         else:  # the original placement: the query from LN(u), keys and values from u in one [d, 2d] product
             weight, bias = torch.cat([self.key.weight, self.value.weight]), torch.cat([self.key.bias, self.value.bias])
-            qkv = torch.cat([linear(query_in, self.query.weight, self.query.bias), linear(kv_in, weight, bias)], -1)
+            qkv = torch.cat([F.linear(query_in, self.query.weight, self.query.bias), F.linear(kv_in, weight, bias)], -1)
+        return F.linear(self.attend(qkv, positions, intervals), self.out.weight, self.out.bias)
+
+    def attend(self, qkv: torch.Tensor, positions=None, intervals=None) -> torch.Tensor:
+        """The attention between the products: q, k, v side by side in qkv [B, L, 3d] -> the heads' outputs side by
+        side, [B, L, d]."""
         p = self.dropout if self.training else 0.0
-        if not self.time_aware and p > 0.0:  # dropout on the attention weights: keyed, so it is the same on any rank
-            out = packed_causal_attention_with_dropout(qkv, self.heads, p)
+        q, k, v = (self._split(t) for t in qkv.chunk(3, dim=-1))
+        if self.time_aware:
+            out = self._time_aware(q, k, v, positions, intervals, p)
+        elif p > 0.0:  # dropout on the attention weights: keyed, so it is the same on any rank
+            out = causal_attention_with_dropout(q, k, v, p)
         else:
-            q, k, v = (self._split(t) for t in qkv.chunk(3, dim=-1))
-            if not self.time_aware:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                out = self._time_aware(q, k, v, positions, intervals, p)
-            out = out.transpose(-3, -2).flatten(-2)
-        return linear(out, self.out.weight, self.out.bias)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(-3, -2).flatten(-2)
 
     def _time_aware(self, q, k, v, positions, intervals, p) -> torch.Tensor:
         """e_ij = q_i . (k_j + P^K_j + R^K[r_ij]) / sqrt(d_h); out_i = sum_j a_ij (v_j + P^V_j + R^V[r_ij]).
@@ -100,10 +108,17 @@ class SelfAttention(nn.Module):
         return out if scale == 1.0 else out * scale
 
 
+# The attention's dropout mask is drawn for the blocks of its weights that the chunked kernel
+# (toolkit/kernels/sasrec.py) computes: the queries in chunks, each chunk's keys up to its end. That layout is part
+# of what the model draws, so it is defined here, and the plain formula below places the same random numbers where
+# the kernel does: a run's dropout masks are the same under --kernels auto and --kernels plain.
+
+
 def query_chunks(length: int, device: torch.device) -> list[tuple[int, int]]:
-    """The query chunks [start, stop) of causal_attention_with_dropout. On the CPU one per ~50 queries, 2 to 4: at
-    maxlen 200, 4 (62.5% of the [L, L] weights computed, against 75% with 2); at maxlen 50, 2 (shorter chunks cost
-    more in per-product overhead than they skip). Elsewhere 2: a GPU pays per kernel launch more than per product."""
+    """The query chunks [start, stop) of the attention's dropout mask (and of the chunked kernel). On the CPU one per
+    ~50 queries, 2 to 4: at maxlen 200, 4 (62.5% of the [L, L] weights computed, against 75% with 2); at maxlen 50, 2
+    (shorter chunks cost more in per-product overhead than they skip). Elsewhere 2: a GPU pays per kernel launch more
+    than per product."""
     return even_chunks(length, max(2, min(4, length // 50)) if device.type == "cpu" else 2)
 
 
@@ -114,114 +129,35 @@ def even_chunks(length: int, count: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v; q, k, v: [B, h, L, d_h]
-    (packed_causal_attention_with_dropout on q, k, v side by side; the result as [B, h, L, d_h])."""
-    batch, heads, length, dim = q.shape
-    qkv = torch.cat([t.transpose(1, 2).flatten(-2) for t in (q, k, v)], dim=-1)
-    return packed_causal_attention_with_dropout(qkv, heads, p).view(batch, length, heads, dim).transpose(1, 2)
-
-
-def packed_causal_attention_with_dropout(qkv: torch.Tensor, heads: int, p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d_h), future masked) with keyed dropout on the weights, @ v, for q, k, v side by side in
-    qkv [B, L, 3d] (h heads of d_h = d / h each); the heads' outputs side by side: [B, L, d].
-
-    Written for the CPU, where this is most of SASRec's step at maxlen 200 (the weights are [B, h, L, L]):
-    - the queries go in chunks (query_chunks), and a chunk's keys stop where its queries do: the all-future blocks
-      right of the diagonal are never computed, forward or backward (4 chunks: 37.5% of the weights skipped);
-    - the dropout mask is drawn for the computed blocks only: per sample, head after head, chunk after chunk, each
-      block [rows, stop] row by row, from keyed_keep (a sample's mask does not depend on the rank), 0 or
-      1 / (1 - p);
-    - the backward is written out (CausalAttention), straight into qkv's gradient.
-    """
-    batch, length, width = qkv.shape
-    chunks = query_chunks(length, qkv.device)
+def attention_keep(batch: int, heads: int, chunks: list[tuple[int, int]], p: float, *, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The attention dropout's keep values as drawn, 0 or 1 / (1 - p): [B, h * sum of rows * stop], per sample head
+    after head, chunk after chunk, each block [rows, stop] (the chunk's queries, the keys up to its end) row by row.
+    One keyed draw (keyed_keep: a sample's mask does not depend on the rank); outside a training loop's micro-batch
+    (no key announced), torch's own generator."""
     per_head = sum((stop - start) * stop for start, stop in chunks)
     scale = 1.0 / (1.0 - p)
-    keep = keyed_keep(batch, heads * per_head, p, device=qkv.device, dtype=qkv.dtype, scale=scale)
-    if keep is None:  # outside a training loop's micro-batch (no key announced): torch's own generator
-        keep = (torch.rand(batch, heads * per_head, device=qkv.device) >= p).to(qkv.dtype).mul_(scale)
-    return CausalAttention.apply(qkv, keep.view(batch * heads, per_head), chunks, heads)
+    keep = keyed_keep(batch, heads * per_head, p, device=device, dtype=dtype, scale=scale)
+    if keep is None:
+        keep = (torch.rand(batch, heads * per_head, device=device) >= p).to(dtype).mul_(scale)
+    return keep
 
 
-class CausalAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d_h) + causal mask) * keep @ v by query chunks, q, k, v side by side in qkv [B, L, 3d];
-    keep: [B * h, sum of rows * stop], the dropout mask (0 or 1 / (1 - p)) of the computed blocks, chunk after chunk.
-
-    Forward per chunk: one product of the chunk's queries with the keys up to its end, scaled inside it, -inf added
-    right of the diagonal in its last [rows, rows] block only, softmax, the mask, one product into the output. The
-    backward of each product is one product, written into qkv's gradient (the last chunk's, which spans every key,
-    first; the others add into it): no zero-filled gradient per slice summed afterwards, as autograd does for
-    slices, and no concatenation of q, k and v's gradients. With one head, q, k and v are views of qkv (row stride
-    3d), which the products read as they are; with more, each is copied to [B * h, L, d_h]. Products written into a
-    slice are bmm(out=...): baddbmm into a strided output falls back to one addmm per sample on the CPU."""
-
-    @staticmethod
-    def forward(ctx, qkv, keep, chunks, heads):
-        batch, length, width = qkv.shape
-        q, k, v = (_heads_first(t, heads) for t in qkv.chunk(3, dim=-1))
-        count, _, dim = q.shape
-        out = q.new_empty(count, length, dim)
-        saved, offset = [], 0
-        with torch.autocast(q.device.type, enabled=False):  # in the inputs' dtype (autocast's products came before)
-            for start, stop in chunks:
-                rows = stop - start
-                logits = torch.baddbmm(q.new_empty(()), q[:, start:stop], k[:, :stop].transpose(1, 2), beta=0.0,
-                                       alpha=1.0 / math.sqrt(dim))  # (input ignored with beta = 0)
-                future = torch.full((rows, rows), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-                logits[:, :, start:].add_(future)  # x + 0 = x, x + -inf = -inf
-                weights = logits.softmax(-1)
-                dropped = weights * keep[:, offset:offset + rows * stop].view(count, rows, stop)
-                offset += rows * stop
-                torch.bmm(dropped, v[:, :stop], out=out[:, start:stop])
-                saved += [weights, dropped]
-        ctx.chunks, ctx.heads = chunks, heads
-        ctx.save_for_backward(qkv, keep, *saved)
-        return out if heads == 1 else out.view(batch, heads, length, dim).transpose(1, 2).reshape(batch, length, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        qkv, keep, *saved = ctx.saved_tensors
-        chunks, heads = ctx.chunks, ctx.heads
-        q, k, v = (_heads_first(t, heads) for t in qkv.chunk(3, dim=-1))
-        grad = _heads_first(grad, heads)
-        count, length, dim = q.shape
-        grad_qkv = qkv.new_empty(qkv.shape)
-        grad_q, grad_k, grad_v = (grad_qkv.chunk(3, dim=-1) if heads == 1 else
-                                  (q.new_empty(count, length, dim) for _ in range(3)))
-        offsets = [0]
-        for start, stop in chunks:
-            offsets.append(offsets[-1] + (stop - start) * stop)
-        with torch.autocast(q.device.type, enabled=False):
-            for index in reversed(range(len(chunks))):  # the last chunk spans every key: it writes first
-                start, stop = chunks[index]
-                rows, first = stop - start, index == len(chunks) - 1
-                weights, dropped = saved[2 * index], saved[2 * index + 1]
-                grad_c = grad[:, start:stop]
-                if first:
-                    torch.bmm(dropped.transpose(1, 2), grad_c, out=grad_v)
-                else:
-                    grad_v[:, :stop].add_(torch.bmm(dropped.transpose(1, 2), grad_c))
-                grad_dropped = torch.bmm(grad_c, v[:, :stop].transpose(1, 2))
-                grad_dropped.mul_(keep[:, offsets[index]:offsets[index + 1]].view(count, rows, stop))
-                grad_logits = torch._softmax_backward_data(grad_dropped, weights, -1, weights.dtype)
-                torch.bmm(grad_logits, k[:, :stop], out=grad_q[:, start:stop])
-                if first:
-                    torch.bmm(grad_logits.transpose(1, 2), q[:, start:stop], out=grad_k)
-                else:
-                    grad_k[:, :stop].add_(torch.bmm(grad_logits.transpose(1, 2), q[:, start:stop]))
-            grad_q.mul_(1.0 / math.sqrt(dim)), grad_k.mul_(1.0 / math.sqrt(dim))
-        if heads > 1:
-            for part, grad_part in zip(grad_qkv.chunk(3, dim=-1), (grad_q, grad_k, grad_v), strict=True):
-                part.view(-1, length, heads, dim).copy_(grad_part.view(-1, heads, length, dim).transpose(1, 2))
-        return grad_qkv, None, None, None
-
-
-def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, L, h * d_h] -> [B * h, L, d_h]: a view with one head, a copy with more."""
-    if heads == 1:
-        return x
-    return x.unflatten(-1, (heads, -1)).transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1] // heads)
+def causal_attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h), future masked) * keep @ v, keep the dropout mask (0 or 1 / (1 - p)) of
+    attention_keep placed in a full [B, h, L, L] matrix (0 right of the chunks: the future, masked anyway); q, k, v
+    and the result: [B, h, L, d_h]."""
+    batch, heads, length, dim = q.shape
+    chunks = query_chunks(length, q.device)
+    drawn = attention_keep(batch, heads, chunks, p, device=q.device, dtype=q.dtype).view(batch, heads, -1)
+    keep, offset = drawn.new_zeros(batch, heads, length, length), 0
+    for start, stop in chunks:
+        keep[:, :, start:stop, :stop] = drawn[:, :, offset:offset + (stop - start) * stop].view(
+            batch, heads, stop - start, stop)
+        offset += (stop - start) * stop
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    logits = (q @ k.transpose(-1, -2)).mul(1.0 / math.sqrt(dim)).masked_fill(future, float("-inf"))
+    return (logits.softmax(-1) * keep) @ v
 
 
 def interval_value_sum_by_gather(weights: torch.Tensor, index: torch.Tensor, interval_values: torch.Tensor):
@@ -240,8 +176,8 @@ class FeedForward(nn.Module):
         self.inner, self.outer, self.dropout = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(keyed_dropout(linear(x, self.inner.weight, self.inner.bias), self.dropout, self.training))
-        return keyed_dropout(linear(x, self.outer.weight, self.outer.bias), self.dropout, self.training)
+        x = F.relu(keyed_dropout(F.linear(x, self.inner.weight, self.inner.bias), self.dropout, self.training))
+        return keyed_dropout(F.linear(x, self.outer.weight, self.outer.bias), self.dropout, self.training)
 
 
 class Block(nn.Module):
