@@ -447,9 +447,9 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     state = {"train_sums": train_sums, **({FULL_TEST: full_test} if cfg.eval_full_test_every else {})}
     loop = TrainingLoop(run, model, train_loader, evaluate=lambda: puzzle_metrics(valid_loader, "val"),
                         main_metric="val_exact_accuracy", state=state,
-                        rank_state={"carry": carry}, batches_per_epoch=train_batches.batches_in_epoch)
-    if cfg.eval_full_test_every:
-        loop.evaluations.row_columns = full_test.columns  # every metrics.csv row: the latest full test
+                        rank_state={"carry": carry}, batches_per_epoch=train_batches.batches_in_epoch,
+                        # every metrics.csv row: the latest full test
+                        row_columns=full_test.columns if cfg.eval_full_test_every else None)
 
     def puzzle_metrics(loader, prefix):
         """Every puzzle run for the maximum number of segments; sums over all ranks' puzzles / counts."""
@@ -474,7 +474,7 @@ def train(run: Run, cfg: HRMConfig) -> dict:
                 f"{prefix}_puzzles": puzzles}
 
     def log_train_sums(values: list[float]) -> None:  # read with the loss, every --log-every steps
-        step = loop.progress.global_step
+        step = loop.global_step
         accelerator.log({**ratios(dict(zip(train_sums.names, values, strict=True))),
                          "train/lr": cfg.lr * warmup(step - 1)}, step=step)
         train_sums.clear()
@@ -485,7 +485,7 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     loop.start()
     for _ in loop.epochs():
         for batch in loop.batches():
-            step = loop.progress.global_step + 1  # the optimizer step this batch makes
+            step = loop.global_step + 1  # the optimizer step this batch makes
             data = as_tokens(batch)
             state = carry.on(accelerator.device) or core.initial_carry(data)
             with accelerator.accumulate(model):
@@ -494,24 +494,17 @@ def train(run: Run, cfg: HRMConfig) -> dict:
                     loss, sums = act_losses(outputs, cfg.loss)
                 # DDP averages over ranks: this makes the gradient that of (sum over the global batch) / batch size.
                 accelerator.backward(per_row_loss(loss, accelerator.num_processes, cfg.batch_size))
-                if cfg.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                puzzle_optimizer.step(lr=cfg.puzzle_emb_lr * warmup(step - 1))
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                puzzle_optimizer.zero_grad()
+                totals = torch.stack([loss.detach().double(), *sums.values()])
+                totals = accelerator.reduce(totals, reduction="sum")  # every rank's rows: a collective, no host read
+                puzzle_optimizer.lr = cfg.puzzle_emb_lr * warmup(step - 1)
+                loop.optimizer_step([optimizer, puzzle_optimizer], scheduler, loss=totals[0].float() / cfg.batch_size)
             # --cuda-graphs: the graph's next replay (or an evaluation's) overwrites its outputs; the carry keeps a copy
             carry.state = {k: v.clone() for k, v in outputs["carry"].items()} if cfg.cuda_graphs else outputs["carry"]
-            totals = torch.stack([loss.detach().double(), *sums.values()])
-            totals = accelerator.reduce(totals, reduction="sum")  # every rank's rows: a collective, no host read
             train_sums.add(list(sums), totals[1:])
-            loop.record_loss(totals[0].float() / cfg.batch_size)
             if cfg.eval_full_test_every and step % cfg.eval_full_test_every == 0:
                 # The whole test split, as pretrain.py at every evaluation: each rank its share, gathered; no random
                 # stream drawn (the next batch reseeds anyway); logged at this step, before its checkpoint is saved
-                full_test.record(step, loop.evaluations.between_steps(
-                    lambda: puzzle_metrics(test_loader, FULL_TEST), step, loop.progress))
+                full_test.record(step, loop.evaluate_now(lambda: puzzle_metrics(test_loader, FULL_TEST), step))
         loop.end_epoch()
 
     # ---- test: the best validation checkpoint on the held-out puzzles ------------------------------------------

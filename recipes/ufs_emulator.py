@@ -432,7 +432,7 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     run.write_artifact(
         "val_scatter.png",
         lambda path: plot_predicted_vs_true(
-            path, predicted, true, cfg.outputs, meta["units"], f"validation, best step {loop.progress.best_step}"
+            path, predicted, true, cfg.outputs, meta["units"], f"validation, best step {loop.best_step}"
         ),
     )
     summary = loop.finish()

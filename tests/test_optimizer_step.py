@@ -78,3 +78,37 @@ def test_exactly_one_kind_of_loss():
     for kwargs in ({}, {"loss": torch.tensor(1.0), "rank_loss": torch.tensor(1.0)}):
         with pytest.raises(TypeError, match="exactly one of loss="):
             TrainingLoop.optimizer_step(loop, optimizer, **kwargs)
+
+
+def test_several_optimizers_each_step_in_turn_before_the_scheduler_and_each_is_zeroed():
+    """optimizer_step([a, b], scheduler): HRM's AdamATan2 and its embedding's SignSGD through the public step, as
+    stepping each by hand, then the scheduler (a's rate for the next step), then zeroing both."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    start = [{k: v.clone() for k, v in m.state_dict().items()} for m in (first, second)]
+    model = torch.nn.ModuleList([first, second])
+    accelerator = Accelerator(cpu=True)
+    a = torch.optim.SGD(first.parameters(), lr=0.5)
+    b = torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(a, lambda step: 1.0 / (step + 1))
+    model, a, b, scheduler = accelerator.prepare(model, a, b, scheduler)
+    loop = stand_in_loop(accelerator, model, 0.0)
+    data = batches()
+    for x, y in data:
+        loss = (first(x) + second(x) - y).pow(2).mean()
+        accelerator.backward(loss)
+        TrainingLoop.optimizer_step(loop, [a, b], scheduler, loss=loss.detach())
+    assert all(p.grad is None for p in model.parameters())
+
+    by_hand = [torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)]
+    for m, state in zip(by_hand, start, strict=True):
+        m.load_state_dict(state)
+    hand_a = torch.optim.SGD(by_hand[0].parameters(), lr=0.5)
+    hand_b = torch.optim.SGD(by_hand[1].parameters(), lr=0.1, momentum=0.9)
+    hand_scheduler = torch.optim.lr_scheduler.LambdaLR(hand_a, lambda step: 1.0 / (step + 1))
+    for x, y in data:
+        (by_hand[0](x) + by_hand[1](x) - y).pow(2).mean().backward()
+        hand_a.step(), hand_b.step(), hand_scheduler.step()
+        hand_a.zero_grad(), hand_b.zero_grad()
+    for mine, theirs in zip(model.parameters(), [p for m in by_hand for p in m.parameters()], strict=True):
+        assert torch.equal(mine, theirs)

@@ -151,7 +151,7 @@ def train(run: Run, cfg: ToyConfig) -> dict:
     def inputs(batch):
         features = batch["x"]
         if cfg.feature_drop:
-            coins = keyed_uniform(cfg.seed, FEATURE_DROP, loop.progress.global_step, batch["id"])
+            coins = keyed_uniform(cfg.seed, FEATURE_DROP, loop.global_step, batch["id"])
             features = features * (coins >= cfg.feature_drop).to(features.dtype)[:, None].to(features.device)
         previous = carry.last if (cfg.carry and carry.last is not None) else torch.zeros(len(features), 1)
         return torch.cat([features, previous.to(features.device)], dim=1)
@@ -168,7 +168,7 @@ def train(run: Run, cfg: ToyConfig) -> dict:
 
     def validate():
         mse = mean_squared_error()
-        if loop.progress.global_step == cfg.nan_metric_at_step:
+        if loop.global_step == cfg.nan_metric_at_step:
             mse = float("nan")
         early_stopping.after_evaluation(loop, {"val_mse": mse})
         return {"val_mse": mse}
@@ -183,9 +183,9 @@ def train(run: Run, cfg: ToyConfig) -> dict:
             with accelerator.accumulate(model):
                 prediction = model(inputs(batch))
                 local = (prediction - batch["y"]).pow(2).mean()
-                if loop.progress.global_step + 1 == cfg.diverge_at_step:
+                if loop.global_step + 1 == cfg.diverge_at_step:
                     local = local * float("nan")
-                if loop.progress.global_step + 1 == cfg.explode_at_step:
+                if loop.global_step + 1 == cfg.explode_at_step:
                     local = local * 1e7
                 loss_value = accelerator.reduce(local.detach(), reduction="mean")
                 scale = ema.value.float().item() if cfg.loss_ema else 1.0
@@ -196,7 +196,7 @@ def train(run: Run, cfg: ToyConfig) -> dict:
                 ema.update(loss_value)
             carry.last = prediction.detach().cpu()
             loop.record_loss(loss_value)
-            if loop.progress.global_step + 1 == cfg.signal_at_step and accelerator.process_index == cfg.signal_rank:
+            if loop.global_step + 1 == cfg.signal_at_step and accelerator.process_index == cfg.signal_rank:
                 os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM signals one process of the job
         loop.end_epoch()
 

@@ -49,10 +49,11 @@ AFTER_STEP_HOOKS: list[Callable[[TrainingLoop], None]] = []
 class TrainingLoop(RunEnd):
     def __init__(self, run: Run, model: torch.nn.Module, train_loader, *, evaluate, main_metric: str,
                  higher_is_better: bool = True, state: dict | None = None, rank_state: dict | None = None,
-                 batches_per_epoch: Callable[[int], int] | None = None):
+                 batches_per_epoch: Callable[[int], int] | None = None, row_columns: Callable[[], dict] | None = None):
         """evaluate(): validation metrics {name: number}, the same on every rank (gather_for_metrics). state /
         rank_state: {name: object with state_dict/load_state_dict} checkpointed once, or per rank (a carry).
-        batches_per_epoch(epoch): for epochs of different lengths (CrossEpochBatchSampler); default len(loader)."""
+        batches_per_epoch(epoch): for epochs of different lengths (CrossEpochBatchSampler); default len(loader).
+        row_columns(): columns of the recipe's own in every metrics.csv row (HRM's latest full test)."""
         self.run, self.config, self.accelerator = run, run.config, run.accelerator
         self.model, self.train_loader, self.batches_per_epoch = model, train_loader, batches_per_epoch
         self.main_metric, self.higher_is_better = main_metric, higher_is_better
@@ -66,13 +67,14 @@ class TrainingLoop(RunEnd):
         self.keeper = CheckpointKeeper(run, model, dict(state or {}), self.rank_state)
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main, say=run.print if run.is_main else None)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
+        self.evaluations.row_columns = row_columns
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
         self._mark_step = compilation.step_marker(run)  # --cuda-graphs: each micro-batch a new iteration of the graphs
         self.step_graph = StepGraph(run.whole_step_graphs, say=run.print)  # --cuda-graphs: run_step captures the step
         # The epoch as a tensor on the device, for what a captured step keys on it (SASRec's negatives): a Python int
         # would be baked into the graph at its capture
-        self.device_epoch = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
+        self._device_epoch = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
         # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE (toolkit.openmp)
         self._load_watch = openmp.load_watch(torch.get_num_threads(), self.accelerator.num_processes)
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
@@ -100,7 +102,7 @@ class TrainingLoop(RunEnd):
         past_max_steps = cfg.max_steps is not None and progress.global_step >= cfg.max_steps
         self.stopped = bool(progress.stop_reason) or past_max_steps  # resumed after a stop or at --max-steps
         while progress.epoch < cfg.epochs and not self.stopped:
-            self.device_epoch.fill_(progress.epoch)
+            self._device_epoch.fill_(progress.epoch)
             yield progress.epoch
             if agree(self.accelerator, stop=self._stop_request is not None).stop and not self.stopped:
                 self._take_stop_request()
@@ -149,18 +151,44 @@ class TrainingLoop(RunEnd):
                        rank_loss: torch.Tensor | None = None) -> None:
         """The step every recipe takes, inside `with accelerator.accumulate(model):` after `accelerator.backward(...)`:
         clip to --max-grad-norm when the gradients sync, step the optimizer and the scheduler (Accelerate skips both
-        inside an accumulation window), zero the gradients, record the micro-batch's loss. Give `loss`, the mean over
-        the GLOBAL batch (global_mean returns it), or `rank_loss`, this rank's mean over its equal share."""
+        inside an accumulation window), zero the gradients, record the micro-batch's loss. `optimizer` may be a list
+        (HRM's AdamATan2 and its sparse embedding's SignSGD): each steps in turn, then the scheduler, then each is
+        zeroed. Give `loss`, the mean over the GLOBAL batch (global_mean returns it), or `rank_loss`, this rank's mean
+        over its equal share."""
         if (loss is None) == (rank_loss is None):
             raise TypeError("optimizer_step: give exactly one of loss= (the global batch's mean) or rank_loss=")
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         graph = self.step_graph
-        graph.saw_optimizer(optimizer)
+        for each in optimizers:
+            graph.saw_optimizer(each)
         # Captured (--cuda-graphs): the scheduler's step is host work (a new learning rate), after each replay
-        step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizer,
+        step_optimizer(self.accelerator, self.model, self.config.max_grad_norm, optimizers,
                        None if graph.capturing else scheduler)
         if graph.capturing and scheduler is not None:
             graph.defer(scheduler.step)
         self.record_loss(loss if rank_loss is None else mean_over_processes(self.accelerator, rank_loss.detach()))
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps made so far (in a batch's body before its optimizer_step: the steps before this one)."""
+        return self.progress.global_step
+
+    @property
+    def device_epoch(self) -> torch.Tensor:
+        """The epoch as a 0-d tensor on the device, filled at each epoch's start: what a captured step (--cuda-graphs)
+        keys on, where a Python int would be baked into the graph at its capture (SASRec's negatives)."""
+        return self._device_epoch
+
+    @property
+    def best_step(self) -> int | None:
+        """The step of the best validation so far (--main-metric), None before the first evaluation."""
+        return self.progress.best_step
+
+    def evaluate_now(self, function: Callable[[], dict], step: int) -> dict:
+        """A recipe's own evaluation at a cadence of its own, in a training step's body after its optimizer_step
+        (HRM's whole test split every --eval-full-test-every steps): function()'s metrics (eval mode, no_grad, then
+        train mode again), a non-finite one refused, shown and logged at `step`, its time left out of the training's."""
+        return self.evaluations.between_steps(function, step, self.progress)
 
     def run_step(self, step: Callable[[dict], None], batch: dict) -> None:
         """step(batch): the recipe's training step (forward, backward, optimizer_step). Called as is; under

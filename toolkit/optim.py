@@ -45,13 +45,17 @@ register_optimizer("sgd", lambda parameters, *, lr, weight_decay, betas, eps: to
 
 def step_optimizer(accelerator, model, max_grad_norm: float, optimizer, scheduler=None) -> None:
     """Clip the gradients to max_grad_norm (0: off) when they sync (the last micro-batch of an accumulation window),
-    step the optimizer and the scheduler (Accelerate's wrappers skip both inside a window), zero the gradients."""
+    step the optimizer (or each of a list, in turn) and the scheduler (Accelerate's wrappers skip both inside a
+    window), zero the gradients."""
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     if max_grad_norm and accelerator.sync_gradients:
         accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
+    for each in optimizers:
+        each.step()
     if scheduler is not None:
         scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    for each in optimizers:
+        each.zero_grad(set_to_none=True)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

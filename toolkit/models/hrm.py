@@ -340,7 +340,8 @@ class SparseSignSGD:
         updated = table[all_ids] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed[group]).to(table.dtype)
         table[all_ids] = updated
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The batch's rows and their gradient let go (always set to None: they are made anew each batch)."""
         if self.embedding.batch_rows is not None:
             self.embedding.batch_rows.grad = None
         self.embedding.batch_ids = None
