@@ -77,6 +77,11 @@ TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
 class DCRNNConfig(TrainConfig):
     """DCRNN on a road graph; the defaults are the `cpu` preset's (PRESETS below)."""
 
+    # Flags added after runs were made: a run whose config.json lacks one resumes with this value (not a flag). Runs
+    # before --sequence-kernel computed DCRNN cell by cell: resuming one asks for `--sequence-kernel cells` (auto:
+    # fused on CUDA)
+    added_flags = {"sequence_kernel": "cells"}
+
     data: Path | None = None
     """Directory holding the speed table (*.h5, e.g. metr-la.h5) and the adjacency pickle (adj*.pkl)."""
     cache_dir: Path = Path("~/.cache/accelerate-recipes")
