@@ -72,6 +72,7 @@ def profile_steps(steps: int, threads: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from toolkit.kernels import converted
     from toolkit.models.dcrnn import DCRNN
 
     torch.set_num_threads(threads)
@@ -81,7 +82,7 @@ def profile_steps(steps: int, threads: int) -> None:
     y = torch.randn(64, 12, 50, generator=generator)
     coins = torch.rand(64, 12, generator=generator) < 0.5
     torch.manual_seed(0)
-    model = DCRNN(np.asarray(adjacency, np.float32), units=16, layers=2, diffusion_steps=2)
+    model = converted(DCRNN(np.asarray(adjacency, np.float32), units=16, layers=2, diffusion_steps=2))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
 
     def step():

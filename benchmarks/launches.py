@@ -188,6 +188,7 @@ def time_dcrnn_kernels(rounds: int, steps: int = 5) -> dict[str, list[float]]:
     import time
 
     from toolkit.data.traffic import generate
+    from toolkit.kernels import converted
     from toolkit.models.dcrnn import DCRNN
 
     torch.set_num_threads(1)
@@ -199,7 +200,8 @@ def time_dcrnn_kernels(rounds: int, steps: int = 5) -> dict[str, list[float]]:
     runs = {}
     for kernel in ("cells", "fused"):
         torch.manual_seed(0)
-        model = DCRNN(adjacency, units=16, layers=2, diffusion_steps=2, horizon=12, sequence_kernel=kernel)
+        model = converted(DCRNN(adjacency, units=16, layers=2, diffusion_steps=2, horizon=12,
+                                sequence_kernel=kernel))
         runs[kernel] = (model, torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3))
 
     def train(model, optimizer, count):

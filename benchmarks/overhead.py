@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import TrainConfig
 from toolkit.devices import pin_memory
 from toolkit.distributed import global_mean, mean_over_processes
+from toolkit.kernels import converted
 from toolkit.loop import TrainingLoop
 from toolkit.precision import cpu_kind
 from toolkit.randomness import UntouchedItems, keyed_uniform
@@ -98,7 +99,7 @@ def sasrec_workload(cache_dir: Path) -> Workload:
     return Workload(
         data,
         128,
-        lambda: SASRec(meta["num_items"], hidden=50, blocks=2, maxlen=200, dropout=0.2),
+        lambda: converted(SASRec(meta["num_items"], hidden=50, blocks=2, maxlen=200, dropout=0.2)),
         lambda model: torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98)),
         plain_loss,
         recipe_loss,
@@ -144,9 +145,9 @@ def dcrnn_workload(data_dir: Path | None, cache_dir: Path) -> Workload:
     return Workload(
         split.train,
         64,
-        lambda: DCRNN(
+        lambda: converted(DCRNN(
             meta["adjacency"], input_dim=2, output_dim=1, units=16, layers=2, diffusion_steps=2, horizon=OUTPUT_STEPS
-        ),
+        )),
         lambda model: torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3),
         plain_loss,
         recipe_loss,
@@ -234,8 +235,9 @@ def hrm_workload() -> Workload:
     return Workload(
         data,
         batch_size,
-        lambda: HRM(vocab, cells, num_puzzle_ids=1, hidden=64, heads=4, expansion=4.0, h_layers=1, l_layers=1,
-                    h_cycles=1, l_cycles=1, halt_max_steps=4, exploration_prob=0.1, positions="rope"),
+        lambda: converted(HRM(vocab, cells, num_puzzle_ids=1, hidden=64, heads=4, expansion=4.0, h_layers=1,
+                              l_layers=1, h_cycles=1, l_cycles=1, halt_max_steps=4, exploration_prob=0.1,
+                              positions="rope")),
         lambda model: AdamATan2(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1),
         plain_loss,
         recipe_loss,

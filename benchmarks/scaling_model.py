@@ -146,10 +146,11 @@ def _sasrec(batch: int, world: int):
     import torch.nn.functional as F
 
     from toolkit import randomness
+    from toolkit.kernels import converted
     from toolkit.models.sasrec import SASRec
 
     maxlen = 50
-    model = SASRec(ML100K_ITEMS, hidden=50, blocks=2, heads=1, maxlen=maxlen, dropout=0.2)
+    model = converted(SASRec(ML100K_ITEMS, hidden=50, blocks=2, heads=1, maxlen=maxlen, dropout=0.2))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randint(1, ML100K_ITEMS + 1, (batch, maxlen), generator=generator)
@@ -200,11 +201,13 @@ def _dcrnn(batch: int, world: int):
     import torch
 
     from toolkit.data.traffic import generate
+    from toolkit.kernels import converted
     from toolkit.models.dcrnn import DCRNN, sampling_probability
     from toolkit.randomness import keyed_uniform
 
     _, _, adjacency = generate(sensors=TRAFFIC_SENSORS, days=1, seed=0, progress=False)  # the graph only
-    model = DCRNN(adjacency, input_dim=2, output_dim=1, units=16, layers=2, diffusion_steps=2, horizon=12)
+    model = converted(DCRNN(adjacency, input_dim=2, output_dim=1, units=16, layers=2, diffusion_steps=2,
+                            horizon=12))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 12, TRAFFIC_SENSORS, 2, generator=generator)
@@ -266,11 +269,12 @@ def _ufs_flags(workdir: Path, quick: bool) -> tuple[int, list[str]]:
 def _hrm(batch: int, world: int):
     import torch
 
+    from toolkit.kernels import converted
     from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses
 
     cells = 81
-    model = HRM(11, cells, num_puzzle_ids=1, hidden=64, heads=4, expansion=4.0, h_layers=1, l_layers=1,
-                h_cycles=1, l_cycles=1, halt_max_steps=4, exploration_prob=0.1)
+    model = converted(HRM(11, cells, num_puzzle_ids=1, hidden=64, heads=4, expansion=4.0, h_layers=1, l_layers=1,
+                          h_cycles=1, l_cycles=1, halt_max_steps=4, exploration_prob=0.1))
     model.train()
     optimizer = AdamATan2(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     puzzle_optimizer = SparseSignSGD(model.puzzle_emb, 1e-2, 0.1)

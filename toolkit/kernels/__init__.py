@@ -86,6 +86,13 @@ def convert(model: nn.Module) -> dict[str, tuple[type[nn.Module], type[nn.Module
     return swapped
 
 
+def converted(model: nn.Module) -> nn.Module:
+    """The model with its fast paths swapped in (in place), unproven: what --kernels auto trains once its proof has
+    passed, for benchmarks and tests that time or test the fast paths themselves."""
+    convert(model)
+    return model
+
+
 def _set_classes(model: nn.Module, swapped: dict, which: int) -> None:
     """Every swapped module back to its plain class (which=0) or to its fast one (1)."""
     modules = dict(model.named_modules())
