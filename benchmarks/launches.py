@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             extra = ["--sequence-kernel", "fused", *extra]
         kernel = named[-1] if named else "fused"
         if kernel == "fused":  # its operators dense, as on CUDA (on CPU: sparse CSR; the same count, other op names)
-            from toolkit.models import dcrnn
+            from toolkit.kernels import dcrnn
 
             dcrnn.FUSED_SPARSE_DENSITY = 0.0
         kernel_line = (f"dcrnn: --sequence-kernel {kernel} counted" + (

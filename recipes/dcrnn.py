@@ -265,7 +265,7 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
         probability of the truth, computed on the host as the reference does): a captured step replays tensors."""
         if not cfg.sampling_decay_steps:
             return batch
-        step, device = loop.progress.global_step, batch["y"].device
+        step, device = loop.global_step, batch["y"].device
         probability = sampling_probability(step, cfg.sampling_decay_steps)
         return {**batch, "step": torch.full((), step, dtype=torch.int64, device=device),
                 "teacher_probability": torch.full((), probability, dtype=torch.float64, device=device)}

@@ -218,3 +218,32 @@ def test_the_readme_layout_names_every_module():
     missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "toolkit").rglob("*.py"))
                if path.stem != "__init__" and not re.search(rf"\b{re.escape(path.stem)}\b", layout)]
     assert missing == [], f"name these in README.md's Layout: {missing}"
+
+
+def loop_reads(paths: list) -> list[str]:
+    """`loop.NAME` in the given files where NAME is not the loop's public API: a method or property that
+    TrainingLoop (or a base) defines and does not mark private. Its parts (progress, evaluations, keeper, losses)
+    are instance attributes, not API."""
+    import inspect
+
+    from toolkit.loop import TrainingLoop
+
+    public = {name for cls in inspect.getmro(TrainingLoop) for name in vars(cls) if not name.startswith("_")}
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "loop"
+                    and node.attr not in public):
+                found.append(f"{path.name}:{node.lineno}: loop.{node.attr}")
+    return found
+
+
+def test_recipes_use_the_loops_public_api_only(tmp_path):
+    """HRM's recipe stepped its two optimizers by hand and read loop.progress and loop.evaluations; now
+    optimizer_step takes several optimizers, and global_step, best_step and evaluate_now are the loop's own."""
+    files = [*sorted((ROOT / "recipes").glob("*.py")), *sorted((ROOT / "examples").glob("*.py")),
+             ROOT / "tests" / "toy_recipe.py"]
+    assert loop_reads(files) == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("step = loop.progress.global_step\nloop.optimizer_step(o, loss=x)\nloop.evaluations.row = 1\n")
+    assert loop_reads([planted]) == ["planted.py:1: loop.progress", "planted.py:3: loop.evaluations"]

@@ -59,7 +59,7 @@ import torch
 
 from toolkit.kernels import replaces
 from toolkit.models import dcrnn
-from toolkit.models.dcrnn import _product
+from toolkit.models.dcrnn import operator_product
 
 # The fused sequence kernel's operators are sparse on CPU below this fraction of non-zeros (CSR, block-diagonal over
 # the samples; dense ones are batched products). Measured (one thread, batch 64, a 36-column window's diffusion; the
@@ -81,7 +81,7 @@ class _DiffuseFlat(torch.autograd.Function):
         nodes, batch, features = x.shape
         matrices = matrix.shape[0] // nodes
         ctx.transposed, ctx.shape = transposed, (matrices, nodes, batch, features)
-        product = _product(matrix, x.reshape(nodes, batch * features))
+        product = operator_product(matrix, x.reshape(nodes, batch * features))
         return product.view(matrices, nodes, batch, features).permute(1, 2, 0, 3).reshape(nodes * batch, -1)
 
     @staticmethod
@@ -90,7 +90,7 @@ class _DiffuseFlat(torch.autograd.Function):
         matrices, nodes, batch, features = ctx.shape
         grad = grad.view(nodes, batch, matrices, features).permute(2, 0, 1, 3).reshape(matrices * nodes, -1)
         grad = grad.to(ctx.transposed.dtype)  # under autocast the product's output, so its grad, may be half
-        return _product(ctx.transposed, grad).view(nodes, batch, features), None, None
+        return operator_product(ctx.transposed, grad).view(nodes, batch, features), None, None
 
 
 @replaces(dcrnn.GraphDiffusion)

@@ -82,7 +82,7 @@ def diffusion_polynomials(supports: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack(polynomials)
 
 
-def _product(matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def operator_product(matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.sparse.mm(matrix, x) if matrix.is_sparse else matrix @ x
 
 
