@@ -29,7 +29,9 @@ cpp-tools:
 		{ apt-get update -qq && apt-get install -y -qq cmake g++ >/dev/null; } || \
 		echo "cmake/g++ missing and not installable here: the C++ consumer test will skip"
 
+# lint-imports: the architecture's contracts (pyproject.toml, [tool.importlinter]): the core knows no model family
 test: install cpp-tools
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # The smoke job on another torch (its own venv, .cache/smoke/venv-torch-VERSION): every recipe, a resume, 2 processes,

@@ -247,3 +247,24 @@ def test_recipes_use_the_loops_public_api_only(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("step = loop.progress.global_step\nloop.optimizer_step(o, loss=x)\nloop.evaluations.row = 1\n")
     assert loop_reads([planted]) == ["planted.py:1: loop.progress", "planted.py:3: loop.evaluations"]
+
+
+def test_every_module_is_core_or_family_in_the_import_contract():
+    """pyproject.toml's import-linter contract names each toolkit module once: a source (the core, which may import
+    no family) or a forbidden one (a family's); a new module outside both would escape the check (make test runs
+    lint-imports). Model files import no kernel (the second contract)."""
+    tomllib = pytest.importorskip("tomllib")
+    contracts = {c["id"]: c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+                 ["contracts"]}
+    core = contracts["core-knows-no-family"]
+    modules = set()
+    for path in (ROOT / "toolkit").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    sources, forbidden = set(core["source_modules"]), set(core["forbidden_modules"])
+    assert not sources & forbidden, sources & forbidden
+    assert sources | forbidden == modules, {"unnamed": modules - sources - forbidden,
+                                            "gone": (sources | forbidden) - modules}
+    assert all(name.startswith(("toolkit.models", "toolkit.export", "toolkit.data.", "toolkit.kernels."))
+               for name in forbidden)
+    assert contracts["models-are-plain"]["forbidden_modules"] == ["toolkit.kernels"]
