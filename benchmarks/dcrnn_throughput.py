@@ -96,7 +96,7 @@ def profile_steps(steps: int, threads: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     print(f"{steps} training steps, cpu preset model, batch 64; CPU: {cpu_kind(threads=threads)}:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -121,7 +121,7 @@ def main() -> None:
 
     import torch
 
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     print(f"CPU: {cpu_kind(threads='1 or 2 per process, as each row says')}", flush=True)
     # (label, accelerate config, extra recipe flags): 1 process x 1 thread (the cpu preset), x 2 threads, 2 x 1

@@ -58,7 +58,7 @@ ON_GPU_ONLY = {"fp16": "--mixed-precision fp16", "bf16+cuda-graphs": "--cuda-gra
                "fp32+cuda-graphs": "--cuda-graphs"}  # flag named by the refusal
 PRECISION_FLAGS = {**PRECISIONS, **EXTRA_PRECISIONS}
 SECTIONS = ("doctor", "precision", "throughput", "graphs", "resume", "hrm-sudoku-1k", "dcrnn-metr-la", "cpu-scaling")
-# the recipes whose whole step --cuda-graphs captures (toolkit.step_graph)
+# the recipes whose whole step --cuda-graphs captures (toolkit.run.step_graph)
 GRAPH_RECIPES = ("ufs_emulator", "sasrec", "dcrnn")
 
 
@@ -266,7 +266,7 @@ def number(value) -> float | None:
 
 def verify(run_dir: Path) -> str:
     """`python -m toolkit verify RUN_DIR`, in this process (the same code as the command)."""
-    from toolkit.verify import inspect_run
+    from toolkit.tools.verify import inspect_run
 
     problems = inspect_run(run_dir).problems
     if problems:
@@ -587,7 +587,7 @@ def machine_line(profile: Profile) -> str:
         device = f"{name} ({memory:.0f} GiB), CUDA {torch.version.cuda}"
     else:
         device = "no CUDA device"
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     return (f"Machine: {device}; CPU: {cpu_kind(threads='as each check says')}; "
             f"torch {torch.__version__}, accelerate {accelerate.__version__}, Python {platform.python_version()}.")

@@ -1,4 +1,4 @@
-"""What the per-step pre-emption agreement costs: one all-reduce of one flag on the host (toolkit.agreement's
+"""What the per-step pre-emption agreement costs: one all-reduce of one flag on the host (toolkit.loop.agreement's
 any_rank_on_host), which every rank of an N-process run makes after every optimizer step so that a signal to any
 rank is saved at the next step.
 
@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from toolkit.agreement import any_rank_on_host  # noqa: E402
-from toolkit.precision import cpu_kind  # noqa: E402
+from toolkit.loop.agreement import any_rank_on_host  # noqa: E402
+from toolkit.run.precision import cpu_kind  # noqa: E402
 
 
 class _Processes:  # what any_rank_on_host reads of an Accelerator

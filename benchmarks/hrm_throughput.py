@@ -52,7 +52,7 @@ def main() -> None:
 
     import torch
 
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     # the recipe's own threads (the cpu-small preset's 1 unless the flags say --threads)
     threads = recipe_flags[recipe_flags.index("--threads") + 1] if "--threads" in recipe_flags else "the recipe's"

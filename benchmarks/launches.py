@@ -126,7 +126,8 @@ def load_recipe(recipe: str):
 
 def count(recipe: str, warmup: int, steps: int, extra: list[str], cache_dir: Path | None,
           where: str | None = None, outside_step: bool = False) -> tuple[dict, int]:
-    from toolkit import device_data, loop
+    from toolkit.loop import training as loop
+    from toolkit.run import device_data
 
     counter = OpCounter(where)
     _count_host_copies(counter)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_time:
         if args.recipe != "dcrnn" or args.cpu_time < 1:
             parser.error("--cpu-time ROUNDS (>= 1) times DCRNN's sequence kernels: give it with --recipe dcrnn")
-        from toolkit.precision import cpu_kind
+        from toolkit.run.precision import cpu_kind
 
         time_dcrnn_kernels(args.cpu_time)
         print(f"torch {torch.__version__}; CPU: {cpu_kind()}")
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             else ""))
     ops, steps = count(args.recipe, args.warmup, args.steps, extra, args.cache_dir, args.where, args.outside_step)
     syncs, kernels = report(ops, steps)
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     print(f"recipe {args.recipe}, {steps} steps counted after {args.warmup}; torch {torch.__version__}; "
           f"CPU: {cpu_kind()}")

@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig
-from toolkit.devices import pin_memory
-from toolkit.distributed import global_mean, mean_over_processes
 from toolkit.kernels import converted
-from toolkit.loop import TrainingLoop
-from toolkit.precision import cpu_kind
-from toolkit.randomness import UntouchedItems, keyed_uniform
-from toolkit.run import start_run
-from toolkit.sampler import shuffled_batches
+from toolkit.loop.training import TrainingLoop
+from toolkit.run.config import TrainConfig
+from toolkit.run.devices import pin_memory
+from toolkit.run.distributed import global_mean, mean_over_processes
+from toolkit.run.precision import cpu_kind
+from toolkit.run.randomness import UntouchedItems, keyed_uniform
+from toolkit.run.sampler import shuffled_batches
+from toolkit.run.start import start_run
 
 RECIPES = ("sasrec", "dcrnn", "ufs_emulator", "hrm")
 DEFAULT_STEPS = {"sasrec": 20, "dcrnn": 10, "ufs_emulator": 500, "hrm": 20}  # a round of each is a second or a few
@@ -59,7 +59,7 @@ class Workload:
     recipe_loss: Callable  # (model, batch, loop, accelerator) -> (loss to backward, loss value for record_loss)
     max_grad_norm: float = 0.0
     collate_fn: Callable | None = None
-    keyed_batches: bool = False  # the recipe cuts its batches with toolkit.sampler.shuffled_batches
+    keyed_batches: bool = False  # the recipe cuts its batches with toolkit.run.sampler.shuffled_batches
     after_step: Callable[[torch.nn.Module, int], None] | None = None  # (model, step): a second optimizer (HRM's)
 
 

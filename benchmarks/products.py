@@ -43,7 +43,7 @@ def main() -> None:
     import torch
 
     from toolkit.kernels import onednn
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     if not onednn.available():
         sys.exit("error: this torch has no oneDNN inner product (mkldnn._linear_pointwise); nothing to compare")

@@ -38,7 +38,7 @@ def main() -> None:
     row = list(csv.DictReader(open(out / "metrics.csv")))[-1]
     epoch_time = float(row["epoch_time_sec"])
     data_wait = float(row["data_load_time_sec"])
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     print(f"CPU: {cpu_kind(threads=sasrec_threads(recipe_flags))}")
     print(f"world size {row['world_size']}: {float(row['throughput_samples_per_sec']):.0f} training sequences/s "

@@ -56,7 +56,7 @@ def main() -> None:
             if config not in best or rate > best[config][1]:
                 best[config] = (world, rate)
     base_world, base_rate = best[args.configs[0]]
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     threads = recipe_flags[recipe_flags.index("--threads") + 1] if "--threads" in recipe_flags[:-1] else "the recipe's"
     print(f"\nCPU: {cpu_kind(threads=f'{threads} per process')}")

@@ -145,9 +145,9 @@ def _sasrec(batch: int, world: int):
     import torch
     import torch.nn.functional as F
 
-    from toolkit import randomness
     from toolkit.kernels import converted
     from toolkit.models.sasrec import SASRec
+    from toolkit.run import randomness
 
     maxlen = 50
     model = converted(SASRec(ML100K_ITEMS, hidden=50, blocks=2, heads=1, maxlen=maxlen, dropout=0.2))
@@ -203,7 +203,7 @@ def _dcrnn(batch: int, world: int):
     from toolkit.data.traffic import generate
     from toolkit.kernels import converted
     from toolkit.models.dcrnn import DCRNN, sampling_probability
-    from toolkit.randomness import keyed_uniform
+    from toolkit.run.randomness import keyed_uniform
 
     _, _, adjacency = generate(sensors=TRAFFIC_SENSORS, days=1, seed=0, progress=False)  # the graph only
     model = converted(DCRNN(adjacency, input_dim=2, output_dim=1, units=16, layers=2, diffusion_steps=2,
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     reps = 8 if args.quick else 20
     rounds = args.rounds or (1 if args.quick else 2)
     try:
-        from toolkit.precision import cpu_kind
+        from toolkit.run.precision import cpu_kind
 
         print(f"scaling model: CPU: {cpu_kind()}; torch {torch.__version__}, load average "
               f"{os.getloadavg()[0]:.2f}; families {' '.join(args.families)}{' (quick)' if args.quick else ''}",

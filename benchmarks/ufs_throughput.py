@@ -1,7 +1,7 @@
 """UFS emulator training throughput (patterns/s): one process with 2 threads against 2 gloo processes with 1
 thread each, side by side (the seeds' "threading vs distributed" question), with 1 process x 1 thread as the
 baseline, 1 process x 2 threads with each OpenMP wait policy forced (ACTIVE: threads spin; PASSIVE: they sleep;
-without either the toolkit chooses by the machine's load, toolkit/openmp.py), and 1 GPU where CUDA exists.
+without either the toolkit chooses by the machine's load, toolkit/process/openmp.py), and 1 GPU where CUDA exists.
 
     python benchmarks/ufs_throughput.py [--data FILE] [--steps 300] [--batch-size 1000] [recipe flags...]
 
@@ -79,13 +79,13 @@ def main() -> None:
         ("1 process x 1 thread (baseline)", [sys.executable], ["--threads", "1"], {}),
         ("1 process x 2 threads", [sys.executable], ["--threads", "2"], {}),
         ("2 processes x 1 thread (gloo)", two_procs, ["--threads", "1"], {}),
-        # the two policies the toolkit chooses between by the load (toolkit/openmp.py), each forced
+        # the two policies the toolkit chooses between by the load (toolkit/process/openmp.py), each forced
         ("1 process x 2 threads, ACTIVE", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "ACTIVE"}),
         ("1 process x 2 threads, PASSIVE", [sys.executable], ["--threads", "2"], {"OMP_WAIT_POLICY": "PASSIVE"}),
     ]
     import torch
 
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     if torch.cuda.is_available():
         configs.append(("1 GPU (bf16)", [*launch, str(ROOT / "accelerate_configs" / "1gpu.yaml")], [], {}))

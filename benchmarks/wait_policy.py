@@ -8,7 +8,7 @@ For each recipe, thread count and load (busy Python processes, one core each, st
 run starts on what begin_process() sees as an idle machine: TOOLKIT_LOADAVG says so), each candidate policy trains
 the same short run; the figure is its training time (metrics.csv `epoch_time_sec`: no start-up, no evaluation), or
 with `--measure wall` the whole command's wall time (start-up included: the measure for a run that restarts itself
-under PASSIVE when load arrives, toolkit.openmp, which a short run ends before it looks three times).
+under PASSIVE when load arrives, toolkit.process.openmp, which a short run ends before it looks three times).
 Candidates: libgomp's spin (OMP_WAIT_POLICY and GOMP_SPINCOUNT unset), PASSIVE, GOMP_SPINCOUNT=N, and `toolkit`: what
 begin_process() chooses on an idle machine. Rounds alternate the candidates. Prints one table row per (recipe,
 threads, load): seconds per candidate (the median of the rounds) and each candidate's time over the best fixed one.
@@ -76,7 +76,7 @@ def one_run(recipe: str, data: dict, threads: int, load: int, candidate: str, sc
 
 
 def main(argv=None) -> int:
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["ufs_emulator", "sasrec"])

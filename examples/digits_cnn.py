@@ -18,15 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
-from toolkit.data.prepared import require_batch_fits
-from toolkit.distributed import global_mean
-from toolkit.entry import one_line_errors
-from toolkit.loop import TrainingLoop
-from toolkit.optim import make_optimizer, model_line
-from toolkit.randomness import KeyedDropout
-from toolkit.run import Run, start_run
-from toolkit.sampler import shuffled_batches
+from toolkit import (
+    KeyedDropout,
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    global_mean,
+    make_optimizer,
+    model_line,
+    one_line_errors,
+    parse_config,
+    require_at_least,
+    require_batch_fits,
+    require_range,
+    shuffled_batches,
+    start_run,
+)
 
 
 @dataclass

@@ -45,8 +45,28 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least, require_range
-from toolkit.data.prepared import require_batch_fits
+from toolkit import (
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    UsageError,
+    device_batches,
+    format_table,
+    global_mean,
+    keyed_uniform,
+    main_process_first,
+    make_optimizer,
+    masked_error_sums,
+    model_line,
+    one_line_errors,
+    parse_config,
+    pin_memory,
+    require_at_least,
+    require_batch_fits,
+    require_range,
+    shuffled_batches,
+    start_run,
+)
 from toolkit.data.traffic import (
     OUTPUT_STEPS,
     baseline_metrics,
@@ -55,20 +75,8 @@ from toolkit.data.traffic import (
     prepare_traffic,
     split_windows,
 )
-from toolkit.device_data import device_batches
-from toolkit.devices import pin_memory
-from toolkit.distributed import global_mean
-from toolkit.entry import one_line_errors
-from toolkit.errors import UsageError
 from toolkit.kernels import dcrnn as dcrnn_kernels
-from toolkit.loop import TrainingLoop
-from toolkit.metrics import masked_error_sums
 from toolkit.models.dcrnn import DCRNN, sampling_probability
-from toolkit.optim import make_optimizer, model_line
-from toolkit.randomness import keyed_uniform
-from toolkit.run import Run, main_process_first, start_run
-from toolkit.sampler import shuffled_batches
-from toolkit.tracking import format_table
 
 TEACHER_COINS = 3  # purpose of the keyed scheduled-sampling coins
 
@@ -117,7 +125,7 @@ class DCRNNConfig(TrainConfig):
     captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
-# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+# --preset NAME (toolkit.run.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
     "cpu": ("a small DCRNN that trains in minutes on 2 CPU cores on a generated 50-sensor network", DCRNNConfig()),
     "metr-la": (
@@ -188,7 +196,7 @@ def train(run: Run, cfg: DCRNNConfig) -> dict:
     )
     require_batch_fits(cfg.batch_size, len(split.train), "training windows")
     # Full global batches only (N processes and one process take identical steps), each epoch a keyed permutation;
-    # on the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    # on the device, cut there per rank (toolkit.run.device_data); a set too large for it goes through a DataLoader.
     batches = shuffled_batches(len(split.train), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
     train_loader = device_batches(run, split.train, batches, num_workers=cfg.num_workers,
                                   pin_memory=pin_memory(accelerator.device))

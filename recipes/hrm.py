@@ -22,7 +22,7 @@ processes train as one; the sparse puzzle-embedding table updated by SignSGD on 
 linear warm-up; stablemax or softmax cross-entropy. An epoch is one pass over the ORIGINAL training puzzles, each
 seen as one of its augmentations (chosen per epoch), as in the paper; batches run across epoch boundaries (no puzzle
 left out at an epoch's end) in streams of --eval-every epochs, whose incomplete last batch is dropped, as the
-reference's epochs_per_iter (toolkit.sampler; with --eval-every-steps, one stream for the whole run). Evaluation
+reference's epochs_per_iter (toolkit.run.sampler; with --eval-every-steps, one stream for the whole run). Evaluation
 runs every puzzle for the maximum number of segments and reports exact accuracy (whole puzzles right), blank-cell
 and all-cell accuracy; training logs lm loss, Q losses, accuracies, q-halt accuracy and mean segments of the rows
 that halted, and the lr, all as sums over ranks divided by counts. --eval-full-test-every N also evaluates the whole
@@ -58,14 +58,29 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader
 
-from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.prepared import require_batch_fits, require_path
+from toolkit import (
+    CrossEpochBatchSampler,
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    UsageError,
+    device_batches,
+    keyed_hash,
+    main_process_first,
+    make_optimizer,
+    model_line,
+    one_line_errors,
+    parse_config,
+    pin_memory,
+    require_at_least,
+    require_batch_fits,
+    require_finite,
+    require_path,
+    require_range,
+    runs_on_cpu,
+    start_run,
+)
 from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split, stored_columns
-from toolkit.device_data import device_batches
-from toolkit.devices import pin_memory, runs_on_cpu
-from toolkit.entry import one_line_errors
-from toolkit.errors import UsageError
-from toolkit.loop import TrainingLoop
 from toolkit.models.hrm import HRM, SparseSignSGD, act_losses, ratios
 from toolkit.models.hrm_reference_checkpoint import (
     load_reference_checkpoint,
@@ -73,10 +88,6 @@ from toolkit.models.hrm_reference_checkpoint import (
     read_reference_state,
     refuse_other_settings,
 )
-from toolkit.optim import make_optimizer, model_line
-from toolkit.randomness import keyed_hash
-from toolkit.run import Run, main_process_first, start_run
-from toolkit.sampler import CrossEpochBatchSampler
 
 EXPLORATION, AUGMENTATION_PICK = 11, 12  # purposes of keyed randomness
 VOCAB = 11  # 0 pad, 1 blank, 2..10 the digits 1..9
@@ -159,7 +170,7 @@ class HRMConfig(TrainConfig):
     eval_every: int = 4
 
 
-# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+# --preset NAME (toolkit.run.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
     "cpu-small": ("a small model on easy generated puzzles (<= 8 blanks), about 11 minutes on 2 cores", HRMConfig()),
     "sudoku-1k": (
@@ -270,7 +281,7 @@ class OneAugmentationPerPuzzle(torch.utils.data.Dataset):
     def __getitem__(self, drawn: tuple[int, int]) -> dict:
         return self.__getitems__([drawn])[0]
 
-    # toolkit.device_data: every stored version on the device; the rows picked on the host once an epoch
+    # toolkit.run.device_data: every stored version on the device; the rows picked on the host once an epoch
     def device_bytes(self) -> int:
         one_row = stored_columns(self.rows.select(range(1)))
         return len(self.rows) * sum(column.numel() * column.element_size() for column in one_row.values())
@@ -411,7 +422,7 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     train_batches = CrossEpochBatchSampler(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs,
                                            epochs_per_cycle=None if cfg.eval_every_steps else cfg.eval_every,
                                            with_epoch=True)
-    # On the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    # On the device, cut there per rank (toolkit.run.device_data); a set too large for it goes through a DataLoader.
     train_loader = device_batches(run, train_set, train_batches, num_workers=cfg.num_workers,
                                   pin_memory=pin_memory(accelerator.device))
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)

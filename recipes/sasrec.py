@@ -42,21 +42,33 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, default_collate
 
-from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
+from toolkit import (
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    UntouchedItems,
+    UsageError,
+    device_batches,
+    global_mean,
+    hit_rate_and_ndcg,
+    main_process_first,
+    make_optimizer,
+    model_line,
+    one_line_errors,
+    parse_config,
+    pin_memory,
+    rank_of_target,
+    require_at_least,
+    require_batch_fits,
+    require_finite,
+    require_path,
+    require_range,
+    sample_negatives,
+    shuffled_batches,
+    start_run,
+)
 from toolkit.data.movielens import VALID_INPUT, UserSequences, leave_one_out, most_touched, prepare_movielens
-from toolkit.data.prepared import require_batch_fits, require_path
-from toolkit.device_data import device_batches
-from toolkit.devices import pin_memory
-from toolkit.distributed import global_mean
-from toolkit.entry import one_line_errors
-from toolkit.errors import UsageError
-from toolkit.loop import TrainingLoop
-from toolkit.metrics import hit_rate_and_ndcg, rank_of_target
 from toolkit.models.sasrec import SASRec
-from toolkit.optim import make_optimizer, model_line
-from toolkit.randomness import UntouchedItems, sample_negatives
-from toolkit.run import Run, main_process_first, start_run
-from toolkit.sampler import shuffled_batches
 
 TRAIN_NEGATIVES, EVAL_NEGATIVES = 1, 2  # purposes of the keyed negative sampler
 
@@ -109,7 +121,7 @@ class SASRecConfig(TrainConfig):
     captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
-# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+# --preset NAME (toolkit.run.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
     "ml-100k": ("MovieLens-100K (fetched by itself), maxlen 50, 200 epochs: minutes on a CPU", SASRecConfig()),
     # pmixer/SASRec.pytorch's ml-1m run (main.py's defaults): batch 128, lr 0.001 (seed 004's single-GPU values),
@@ -218,7 +230,7 @@ def train(run: Run, cfg: SASRecConfig) -> dict:
     )
     require_batch_fits(cfg.batch_size, len(train_set), "training users")
     # Full global batches only (N processes and one process take identical steps), each epoch a keyed permutation;
-    # on the device, cut there per rank (toolkit.device_data); a set too large for it goes through a DataLoader.
+    # on the device, cut there per rank (toolkit.run.device_data); a set too large for it goes through a DataLoader.
     batches = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
     train_loader = device_batches(run, train_set, batches, num_workers=cfg.num_workers,
                                   pin_memory=pin_memory(accelerator.device))

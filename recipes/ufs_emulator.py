@@ -57,9 +57,27 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from toolkit import extras
-from toolkit.config import TrainConfig, parse_config, require_at_least, require_finite, require_range
-from toolkit.data.prepared import require_batch_fits
+from toolkit import (
+    EarlyStopping,
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    UsageError,
+    device_batches,
+    error_metrics,
+    format_table,
+    make_optimizer,
+    masked_error_sums,
+    model_line,
+    one_line_errors,
+    parse_config,
+    require_at_least,
+    require_batch_fits,
+    require_finite,
+    require_range,
+    shuffled_batches,
+    start_run,
+)
 from toolkit.data.ufs import (
     AUTO,
     DEFAULT_INPUTS,
@@ -72,17 +90,8 @@ from toolkit.data.ufs import (
     whole_batch,
 )
 from toolkit.data.ufs_domains import check_domain
-from toolkit.device_data import device_batches
-from toolkit.early_stopping import EarlyStopping
-from toolkit.entry import one_line_errors
-from toolkit.errors import UsageError
-from toolkit.loop import TrainingLoop
-from toolkit.metrics import error_metrics, masked_error_sums
 from toolkit.models.ufs_emulator import UfsEmulator
-from toolkit.optim import make_optimizer, model_line
-from toolkit.run import Run, start_run
-from toolkit.sampler import shuffled_batches
-from toolkit.tracking import format_table
+from toolkit.process import extras
 
 
 @dataclass
@@ -166,7 +175,7 @@ class UfsConfig(TrainConfig):
     captures_whole_step = True  # its step runs through loop.run_step (--cuda-graphs: one CUDA graph)
 
 
-# --preset NAME (toolkit.presets): the first is the default; any flag given overrides the preset's value.
+# --preset NAME (toolkit.run.presets): the first is the default; any flag given overrides the preset's value.
 PRESETS = {
     "cpu": ("300 epochs, patience 20: minutes on a laptop CPU for the generated file, NOT the teams' length",
             UfsConfig()),
@@ -333,7 +342,8 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     # Full global batches only (N processes and one process take identical steps), cut from a keyed permutation of
     # each epoch a whole batch at a time: at ~1 ms a step, a sampler yielding item by item would cost ~10%.
     batches = shuffled_batches(len(train_set), cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
-    # On the device, cut there per rank (toolkit.device_data); a set too large for the GPU goes through a DataLoader.
+    # On the device, cut there per rank (toolkit.run.device_data); a set too large for the GPU goes through a
+    # DataLoader.
     train_loader = device_batches(run, train_set, batches, num_workers=cfg.num_workers, collate_fn=whole_batch)
     valid_loader = DataLoader(valid_set, shuffle=False, **loader_args)
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -26,7 +26,7 @@ TINY = ["--hidden", "16", "--blocks", "1", "--maxlen", "20", "--batch-size", "64
         "--log-with", "none", "--cache-dir", str(DATA_CACHE)]
 
 
-# The machine's load as a run sees it during training (toolkit.openmp.LoadWatch): idle, whatever the other test
+# The machine's load as a run sees it during training (toolkit.process.openmp.LoadWatch): idle, whatever the other test
 # worker does, so that no test run restarts itself under PASSIVE unless the test asks for it (TOOLKIT_LOAD_FILE).
 IDLE_LOAD = Path(tempfile.gettempdir()) / f"toolkit-tests-idle-loadavg-{os.getpid()}"
 IDLE_LOAD.write_text("0.00 0.00 0.00 1/100 1\n")
@@ -321,7 +321,7 @@ def sbatch_cpu_run(slurm_env: dict, recipe_args: list[str], tmp_path: Path) -> P
     """Submit slurm/multinode_cpu.sbatch with the recipe and its flags to the local cluster (from the project root,
     as users do), wait for it, and check what every recipe's 2-node run must show: exit 0, `verify` passes with
     world size 2 over gloo, and both ranks announced themselves from two nodes. Returns the run directory."""
-    from toolkit.verify import verify_run
+    from toolkit.tools.verify import verify_run
 
     run_dir, log = tmp_path / "run", tmp_path / "batch.out"
     command = ["sbatch", "--parsable", f"--output={log}", "--wait", "slurm/multinode_cpu.sbatch", *recipe_args]

@@ -22,7 +22,7 @@ After each fault the run is resumed with `--resume-from auto` (same flags, same 
 with an uninterrupted reference run of the same recipe, flags and process count: the final checkpoint's
 model.safetensors byte for byte, log.csv byte for byte, metrics.csv's header byte for byte and its rows less the
 timing columns (`python -m toolkit verify` checks the resumed run as well). After every life no process of the trial
-may be left alive (psutil). A "step" moment is exact: a hook after every optimizer step (toolkit.loop's
+may be left alive (psutil). A "step" moment is exact: a hook after every optimizer step (toolkit.loop.training's
 AFTER_STEP_HOOKS) writes the step and stops the chosen rank there (SIGSTOP) while the fault is delivered. A "time"
 moment is a fraction of the reference run's wall time, so which code it hits varies with the machine's load; the
 seed fixes the trials and their fractions, not what a busy machine makes of them.
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import psutil
 
-from toolkit.tracking import TRAILING_COLUMNS
+from toolkit.run.tracking import TRAILING_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "accelerate_configs"
@@ -169,7 +169,7 @@ FAULTPOINT = """
 import os, runpy, signal, sys
 from toolkit.process import begin_process
 begin_process()  # first, as every recipe: the signal handlers
-from toolkit.loop import AFTER_STEP_HOOKS
+from toolkit.loop.training import AFTER_STEP_HOOKS
 rank = os.environ.get("RANK", "0")
 marks = os.environ["FAULT_MARKS"]
 stop_step, stop_rank = int(os.environ.get("FAULT_STOP_STEP", "0")), os.environ.get("FAULT_STOP_RANK", "0")
@@ -182,7 +182,7 @@ def mark(loop):
     if step == stop_step and rank == stop_rank:
         os.kill(os.getpid(), signal.SIGSTOP)
 AFTER_STEP_HOOKS.append(mark)
-from toolkit import checkpoint
+from toolkit.run import checkpoint
 save_step, write_manifest = int(os.environ.get("FAULT_SAVE_STEP", "0")), checkpoint.write_manifest
 def stop_in_the_save(directory):  # the main process, its files written, before the manifest, rename and marker
     if save_step and os.path.basename(str(directory)) == f".step_{save_step}.saving":
@@ -390,7 +390,8 @@ def finish_life(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     seconds = time.monotonic() - started
-    # Workers of a dead launcher stop within a second (toolkit.orphans); plain accelerate launch's agent may wait
+    # Workers of a dead launcher stop within a second (toolkit.process.orphans); plain accelerate launch's agent may
+    # wait
     # 30 s for its workers after a SIGTERM.
     rest = [p for p in {**tracked, **{p.pid: p for p in alive_in(directory)}}.values() if p.pid != proc.pid]
     _, left = psutil.wait_procs(rest, timeout=40)
@@ -606,7 +607,7 @@ def judge_signal(trial: Trial, life: Life, run: Path) -> tuple[list[str], str]:
     kind, value = trial.moment
     said = re.search(STOP_LINE[trial.sig], life.output)
     if trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "USR1" and not life.ended_first:
-        # README: the launcher dies, its workers stop within a second (toolkit.orphans) without a checkpoint
+        # README: the launcher dies, its workers stop within a second (toolkit.process.orphans) without a checkpoint
         if life.rc != -signal.SIGUSR1:
             problems.append(f"plain accelerate launch exited {life.rc} after SIGUSR1, not killed by it")
         return problems, f"exit {life.rc}"

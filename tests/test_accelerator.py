@@ -1,4 +1,4 @@
-"""toolkit.accelerator.ToolkitAccelerator: Accelerate's backward without its division by 1 (two launches a step)."""
+"""toolkit.run.accelerator.ToolkitAccelerator: Accelerate's backward without its division by 1 (two launches a step)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from toolkit.accelerator import ToolkitAccelerator
+from toolkit.run.accelerator import ToolkitAccelerator
 
 
 class Ops(TorchDispatchMode):

@@ -10,7 +10,7 @@ import pytest
 import tyro
 from conftest import TINY, assert_refused, load_recipe, run_recipe
 
-from toolkit import checkpoint
+from toolkit.run import checkpoint
 
 
 def _fails_with(result, *fragments):
@@ -65,6 +65,7 @@ BAD_INPUTS = [
     ("batch-text", ["--batch-size", "abc"], ["--batch-size", "abc"]),
     ("batch-per-process-zero", ["--batch-per-process", "0"], ["--batch-per-process 0", "positive"]),
     ("scale-lr-unknown-rule", ["--scale-lr", "quadratic"], ["--scale-lr", "quadratic", "linear", "sqrt"]),
+    ("kernels-unknown-choice", ["--kernels", "fast"], ["--kernels", "fast", "auto", "plain"]),
     (
         "batch-size-and-batch-per-process",
         ["--batch-per-process", "8"],
@@ -247,8 +248,8 @@ def test_every_float_flag_is_refused_for_nan_and_inf_unless_the_recipe_allows_it
     at step 1. Every float flag is now refused at parsing, unless the recipe names it in non_finite_allowed."""
     import dataclasses
 
-    from toolkit.config import TrainConfig, parse_config
     from toolkit.errors import UsageError
+    from toolkit.run.config import TrainConfig, parse_config
 
     @dataclasses.dataclass
     class Noisy(TrainConfig):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from accelerate import Accelerator
 
-from toolkit.agreement import Agreement, agree
-from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
+from toolkit.loop.agreement import Agreement, agree
+from toolkit.loop.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
 
 
 def test_evaluation_every_n_steps_or_at_every_nth_epoch_end():
@@ -42,7 +42,7 @@ import json, sys
 from toolkit.process import begin_process
 begin_process()
 from accelerate import Accelerator
-from toolkit.agreement import agree
+from toolkit.loop.agreement import agree
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
 seen = {"world": accelerator.num_processes,
@@ -79,9 +79,9 @@ def test_the_keeper_prunes_to_keep_checkpoints_and_spares_the_best(tmp_path):
 
     import torch
 
-    from toolkit import checkpoint
-    from toolkit.keeper import CheckpointKeeper
-    from toolkit.loop import Progress
+    from toolkit.loop.keeper import CheckpointKeeper
+    from toolkit.loop.training import Progress
+    from toolkit.run import checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 1))

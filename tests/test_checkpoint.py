@@ -7,8 +7,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
+from toolkit.run import checkpoint
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import DATA_CACHE, ROOT, TINY, ranks_seen, recipe_env, run_recipe
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.verify import verify_run
+from toolkit.run import checkpoint
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 

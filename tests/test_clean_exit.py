@@ -3,7 +3,8 @@
 SLURM job FAILED after a successful run).
 
 Two kinds of evidence: each recipe's 2-process tiny run repeated 3 times in a row exits 0 every time; and every
-process reports, as its last act (TOOLKIT_EXIT_REPORT=1, toolkit.shutdown), the threads still alive, which must hold
+process reports, as its last act (TOOLKIT_EXIT_REPORT=1, toolkit.process.shutdown), the threads still alive, which
+must hold
 none of gloo's threads and none of the toolkit's (the heartbeat, the launcher watch). The second catches a regression
 at once, where the abort itself is a race seen in about 1 run of 10. Runs that stop early (request_stop, a
 non-finite loss, pre-emption) are checked per rank: each rank is its own machine (launcher), so each rank's own exit
@@ -34,13 +35,13 @@ from conftest import (
     run_recipe,
 )
 
-from toolkit.shutdown import EXIT_REPORT
+from toolkit.process.shutdown import EXIT_REPORT
 
 pytestmark = pytest.mark.slow
 
 REPORT = {EXIT_REPORT: "1"}
 RUNS_IN_A_ROW = 3  # the suite's time: the exit report below catches a regression in one run
-# Threads that must never be alive when a process exits (toolkit.shutdown says why each matters).
+# Threads that must never be alive when a process exits (toolkit.process.shutdown says why each matters).
 MUST_END = ("gloo", "toolkit-", "pt_")
 
 
@@ -157,7 +158,7 @@ from toolkit.process import begin_process
 begin_process()
 import torch
 from accelerate import Accelerator
-from toolkit import shutdown
+from toolkit.process import shutdown
 
 shutdown.before_process_group()
 accelerator = Accelerator(cpu=True)

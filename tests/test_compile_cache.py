@@ -10,8 +10,8 @@ import re
 import pytest
 from conftest import TOY, read_json, run_recipe
 
-from toolkit import compilation
-from toolkit.verify import verify_run
+from toolkit.run import compilation
+from toolkit.tools.verify import verify_run
 
 # No dropout: keyed dropout's seed is a Python int, a graph break (more graphs, longer compiles, the same test).
 ARGS = ["--compile", "--dropout", "0", "--eval-every-steps", "3", "--log-with", "csv", "--log-every", "1"]
@@ -31,7 +31,8 @@ def first_step_line(stdout: str) -> tuple[str, bool]:
 @pytest.mark.parametrize("config", [None, "cpu_2proc.yaml"], ids=["1proc", "2proc"])
 def test_resumed_compiled_run_reuses_its_run_dir_cache_and_matches_an_uninterrupted_one(config, tmp_path,
                                                                                        monkeypatch):
-    # 2 processes: the model is compiled before DDP wraps it (toolkit.compilation.CompilingAccelerator); Accelerate's
+    # 2 processes: the model is compiled before DDP wraps it (toolkit.run.compilation.CompilingAccelerator);
+    # Accelerate's
     # compiled DDP wrapper compiled no graph on torch 2.13 and the line said so. The toy is an nn.Sequential, whose
     # nn.Module.compile() compiles nothing either: the same 2 graphs must show on both counts of processes.
     # Inductor's own default (or a user's choice) would hide whether the run directory holds the cache.

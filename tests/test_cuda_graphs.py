@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from toolkit import compilation
-from toolkit.losses import StepLosses
+from toolkit.loop.losses import StepLosses
+from toolkit.run import compilation
 
 
 def test_graphs_left_uncaptured_are_counted_in_one_line(tmp_path):

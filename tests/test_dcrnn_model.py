@@ -13,7 +13,7 @@ from toolkit import kernels
 from toolkit.kernels import dcrnn as dcrnn_kernels
 from toolkit.models import dcrnn
 from toolkit.models.dcrnn import DCRNN, DiffusionConv, random_walk_supports, sampling_probability
-from toolkit.randomness import keyed_uniform
+from toolkit.run.randomness import keyed_uniform
 
 # Tiny tensors: one thread (on a busy 2-core machine more threads mostly wait for each other).
 torch.set_num_threads(1)

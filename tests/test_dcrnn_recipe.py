@@ -25,7 +25,7 @@ from conftest import (
 )
 
 from toolkit.data.traffic import INPUT_STEPS, OUTPUT_STEPS, minimum_timesteps, part_bounds, write_dataset
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""Training data on the device (toolkit.device_data): the same batches as the DataLoader path, in the same keyed order,
+"""Training data on the device (toolkit.run.device_data): the same batches as the DataLoader path, in the same keyed
+order,
 each rank its slice of the global batch, resumes mid-epoch, accumulation windows that end with the epoch, and the
 same weights after training steps."""
 
@@ -9,9 +10,9 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
 from toolkit.data.rows import TensorRows
-from toolkit.device_data import DeviceBatches
-from toolkit.progress import rest_of_epoch
-from toolkit.sampler import shuffled_batches
+from toolkit.loop.progress import rest_of_epoch
+from toolkit.run.device_data import DeviceBatches
+from toolkit.run.sampler import shuffled_batches
 
 
 def dataset() -> TensorRows:
@@ -119,7 +120,7 @@ def test_traffic_windows_are_cut_on_the_device_as_the_dataloader_collates_them()
 def test_hrm_augmentations_are_picked_on_the_device_as_the_dataset_picks_them(tmp_path):
     from recipes.hrm import HRMConfig, OneAugmentationPerPuzzle, data_recipe
     from toolkit.data.sudoku import load_sudoku, split
-    from toolkit.sampler import CrossEpochBatchSampler
+    from toolkit.run.sampler import CrossEpochBatchSampler
 
     cfg = HRMConfig(train_puzzles=24, aug=3, val_puzzles=4, test_puzzles=4, seed=2)
     stored, meta = load_sudoku(None, data_recipe(cfg), tmp_path, progress=False)
@@ -147,7 +148,7 @@ def test_hrm_augmentations_are_picked_on_the_device_as_the_dataset_picks_them(tm
 def test_a_set_that_does_not_fit_goes_through_a_dataloader_with_one_line(monkeypatch):
     from types import SimpleNamespace
 
-    from toolkit import device_data
+    from toolkit.run import device_data
 
     lines = []
     run = SimpleNamespace(accelerator=Accelerator(cpu=True), config=SimpleNamespace(data_on_device=True),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from toolkit.devices import pin_memory, runs_on_cpu
+from toolkit.run.devices import pin_memory, runs_on_cpu
 
 
 @pytest.mark.parametrize(

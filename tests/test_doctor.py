@@ -16,8 +16,8 @@ from conftest import CONFIGS, ROOT, recipe_env
 
 from toolkit.__main__ import build_parser
 from toolkit.__main__ import main as toolkit_main
-from toolkit.doctor import FAULT_ENV, slurm_env_mapping
 from toolkit.errors import UsageError
+from toolkit.tools.doctor import FAULT_ENV, slurm_env_mapping
 
 CHECKS = ["world_size", "all_reduce_int", "all_reduce_float", "broadcast", "all_gather", "barrier"]
 LAUNCH_VARS = (

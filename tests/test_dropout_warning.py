@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import TOY, run_recipe
-from toolkit.randomness import KeyedDropout, rank_dependent_dropout, rank_dependent_dropout_line
+from toolkit.run.randomness import KeyedDropout, rank_dependent_dropout, rank_dependent_dropout_line
 
 
 def test_torch_dropout_is_found_by_name_and_keyed_or_disabled_dropout_is_not():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import ROOT, run_recipe
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 DIGITS = str(ROOT / "examples" / "digits_cnn.py")
 ARGS = ["--samples", "800", "--max-steps", "10", "--eval-every-steps", "5", "--threads", "1", "--lr", "0.03"]

@@ -12,7 +12,7 @@ from torch import nn
 from tests.conftest import run_recipe
 from toolkit.errors import UsageError
 from toolkit.export import EXPORTABLE, Exportable, load_run
-from toolkit.randomness import KeyedDropout
+from toolkit.run.randomness import KeyedDropout
 
 
 def _template_mlp(config: dict, weights: dict) -> nn.Module:

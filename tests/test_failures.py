@@ -11,7 +11,7 @@ import psutil
 import pytest
 from conftest import CONFIGS, ROOT, TINY, free_port, recipe_env, run_recipe, start_machines
 
-from toolkit import checkpoint
+from toolkit.run import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import psutil
 import pytest
 from conftest import CONFIGS, ROOT, TOY, mounted_tmpfs, recipe_env, run_preloaded, run_recipe, start_machines
 
-from toolkit import checkpoint
-from toolkit.verify import verify_run
+from toolkit.run import checkpoint
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
@@ -405,7 +405,7 @@ def test_a_full_disk_inside_safetensors_is_named_as_one(small_disk):
 
 
 def test_a_full_disk_while_writing_an_artifact_is_one_line(small_disk, monkeypatch):
-    from toolkit.run import Run
+    from toolkit.run.start import Run
 
     run = Run.__new__(Run)  # only what write_artifact uses
     run.output_dir = small_disk
@@ -418,7 +418,7 @@ def test_a_full_disk_while_writing_an_artifact_is_one_line(small_disk, monkeypat
 
 FULL_AT_METRICS = """
 import errno
-from toolkit import tracking
+from toolkit.run import tracking
 
 def full(self, row):  # the disk fills just as the first metrics row is written
     raise OSError(errno.ENOSPC, "No space left on device", str(self.path))

@@ -1,4 +1,5 @@
-"""toolkit.heap: with glibc's thresholds set, a step's tensors freed and taken again by the next step cost no page
+"""toolkit.process.heap: with glibc's thresholds set, a step's tensors freed and taken again by the next step cost no
+page
 faults; without them (or where the user chose glibc's settings) the 32 MB one is mapped afresh every step, 8k faults.
 A run's process has them from start_run on. Each case in a fresh process: the thresholds are the process's."""
 
@@ -12,13 +13,13 @@ import textwrap
 import pytest
 from conftest import recipe_env
 
-from toolkit import heap
+from toolkit.process import heap
 
 PROBE = textwrap.dedent("""
     import contextlib, json, resource, sys, torch
-    from toolkit import heap
-    from toolkit.config import TrainConfig
-    from toolkit.run import start_run
+    from toolkit.process import heap
+    from toolkit.run.config import TrainConfig
+    from toolkit.run.start import start_run
     mode = sys.argv[1]
     if mode == "keep":
         heap.keep_between_steps()

@@ -1,4 +1,5 @@
-"""HRM under --compile, as the recipe compiles it (toolkit.compilation.compile_in_place: Module._call_impl traced from
+"""HRM under --compile, as the recipe compiles it (toolkit.run.compilation.compile_in_place: Module._call_impl traced
+from
 a frame of ours, called by HRM.__call__): one graph without breaks in training (the exploration key, the puzzle
 embedding's leaf, the target-Q segment) and in evaluation; no recompilation from one step to the next (the step
 number is in the exploration key); and the compiled steps compute what the eager ones do, gradients included.
@@ -15,8 +16,8 @@ import torch
 from test_hrm_model import batch, tiny_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from toolkit import compilation
 from toolkit.models.hrm import SparseSignSGD, act_losses
+from toolkit.run import compilation
 
 
 def compiled_arguments(model, *args, **kwargs) -> tuple[tuple, dict]:

@@ -26,7 +26,7 @@ from recipes.hrm import preset_precision
 from toolkit.errors import UsageError
 from toolkit.models.hrm import HRM
 from toolkit.models.hrm_reference_checkpoint import load_reference_checkpoint, our_name, refuse_other_settings
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 # ---- the reference's checkpoint -------------------------------------------------------------------------------
 

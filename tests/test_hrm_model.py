@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import run_recipe
 
-from toolkit import precision
 from toolkit.kernels import convert, onednn
 from toolkit.kernels import hrm as hrm_kernels
 from toolkit.models import hrm as hrm_module
@@ -31,7 +30,8 @@ from toolkit.models.hrm import (
     fold_key,
     stablemax_cross_entropy,
 )
-from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform
+from toolkit.run import precision
+from toolkit.run.randomness import keyed_hash, keyed_hash_int, keyed_uniform
 
 VOCAB, CELLS, MAX_STEPS = 11, 9, 4
 
@@ -482,7 +482,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from toolkit.process import begin_process
-    begin_process()  # first: it ends the process group at exit (toolkit.shutdown)
+    begin_process()  # first: it ends the process group at exit (toolkit.process.shutdown)
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator

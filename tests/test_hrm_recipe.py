@@ -19,7 +19,7 @@ from conftest import (
 )
 
 from toolkit.data.sudoku import generate_puzzle
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.models.hrm import HRM, SparseSignSGD, act_losses
-from toolkit.randomness import keyed_uniform
+from toolkit.run.randomness import keyed_uniform
 
 VOCAB, SEQ, ROWS, SEGMENTS, MAX_STEPS = 11, 12, 6, 7, 4
 SEED, EXPLORATION = 3, 11

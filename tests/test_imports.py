@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-LEAVES = ("toolkit.errors", "toolkit.console", "toolkit.rundir")  # imported widely: they import nothing of ours
+LEAVES = ("toolkit.errors", "toolkit.console", "toolkit.run.rundir")  # imported widely: they import nothing of ours
 
 
 def toolkit_imports() -> dict[str, set[str]]:
@@ -35,7 +35,12 @@ def toolkit_imports() -> dict[str, set[str]]:
                 targets.add(base)
         graph[name] = targets
     modules = set(graph) - {"toolkit"}
-    return {name: {t for t in targets if t in modules and t != name} for name, targets in graph.items()}
+
+    def ancestor(package: str, name: str) -> bool:  # a module imports its packages anyway, before its own code runs
+        return name.startswith(f"{package}.")
+
+    return {name: {t for t in targets if t in modules and t != name and not ancestor(t, name)}
+            for name, targets in graph.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -61,9 +66,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_sees_lazy_and_package_imports():
     graph = toolkit_imports()
     assert len(graph) > 30
-    assert "toolkit.shutdown" in graph["toolkit.entry"]  # a module-level import
-    assert "toolkit.distributed" in graph["toolkit.entry"]  # a function-level one
-    assert "toolkit.preemption" in graph["toolkit.loop"]  # `from toolkit import preemption`
+    assert "toolkit.process.shutdown" in graph["toolkit.process.entry"]  # a module-level import
+    assert "toolkit.run.distributed" in graph["toolkit.process.entry"]  # a function-level one
+    assert "toolkit.process.preemption" in graph["toolkit.loop.training"]  # `from toolkit import preemption`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
@@ -77,8 +82,8 @@ def test_the_leaves_import_nothing_of_the_toolkit(leaf):
 
 
 def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
-    from toolkit.entry import one_line_errors
     from toolkit.errors import RunFailed, TrainingStopped, UsageError
+    from toolkit.process.entry import one_line_errors
 
     for error, status in ((UsageError("--lr -1 is invalid"), 2), (RunFailed("no space left"), 1),
                           (TrainingStopped("the training loss is nan at step 3"), 1)):
@@ -94,8 +99,8 @@ def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
 
 
 def test_what_a_run_writes_names_each_file_of_the_layout():
-    """The README's "What a run writes" names every file toolkit.rundir names (model.safetensors was missing)."""
-    from toolkit import rundir
+    """The README's "What a run writes" names every file toolkit.run.rundir names (model.safetensors was missing)."""
+    from toolkit.run import rundir
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## What a run writes"):]
@@ -105,7 +110,7 @@ def test_what_a_run_writes_names_each_file_of_the_layout():
 
 
 def test_the_run_directory_layout_is_named_once():
-    """No module of the toolkit spells a run directory's file names itself: they come from toolkit.rundir."""
+    """No module of the toolkit spells a run directory's file names itself: they come from toolkit.run.rundir."""
     names = ('"config.json"', '"summary.json"', '"metrics.csv"', '"log.csv"', '"model.safetensors"')
     spelled = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "toolkit").rglob("*.py"))
                if path.name != "rundir.py" for name in names if name in path.read_text()]
@@ -204,9 +209,9 @@ def test_no_module_reads_another_modules_private_names(tmp_path):
     files = sorted((ROOT / "toolkit").rglob("*.py")) + sorted((ROOT / "recipes").glob("*.py"))
     assert private_reads(files) == []
     planted = tmp_path / "planted.py"  # the check sees a private read where there is one
-    planted.write_text("from toolkit import preemption\nfrom toolkit.run import _shared\nif preemption._requested:\n"
-                       "    pass\n")
-    assert private_reads([planted]) == ["planted.py:2: from toolkit.run import _shared",
+    planted.write_text("from toolkit import preemption\nfrom toolkit.run.start import _shared\n"
+                       "if preemption._requested:\n    pass\n")
+    assert private_reads([planted]) == ["planted.py:2: from toolkit.run.start import _shared",
                                         "planted.py:3: preemption._requested"]
 
 
@@ -226,7 +231,7 @@ def loop_reads(paths: list) -> list[str]:
     are instance attributes, not API."""
     import inspect
 
-    from toolkit.loop import TrainingLoop
+    from toolkit.loop.training import TrainingLoop
 
     public = {name for cls in inspect.getmro(TrainingLoop) for name in vars(cls) if not name.startswith("_")}
     found = []

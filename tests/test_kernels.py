@@ -205,7 +205,7 @@ def test_the_hrm_recipe_refuses_an_edited_attention_under_auto_and_trains_it_und
 
 
 def test_a_run_made_before_the_flag_resumes_as_auto(tmp_path):
-    from toolkit.config import changed_flags
+    from toolkit.run.config import changed_flags
 
     assert changed_flags({"lr": 0.1}, {"lr": 0.1, "kernels": "auto"}) == []
     assert changed_flags({"lr": 0.1}, {"lr": 0.1, "kernels": "plain"}) == ["--kernels 'auto' -> 'plain'"]

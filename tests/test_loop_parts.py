@@ -1,5 +1,5 @@
 """The loop's small parts, in process: the divergence guards, early stopping, the range checks a recipe's check()
-uses, the optimizer choice, and how a run's end is chosen for each way main() can end (toolkit.shutdown)."""
+uses, the optimizer choice, and how a run's end is chosen for each way main() can end (toolkit.process.shutdown)."""
 
 import math
 from types import SimpleNamespace
@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit.config import require_finite, require_range
-from toolkit.early_stopping import EarlyStopping
 from toolkit.errors import RunFailed, TrainingStopped, UsageError
-from toolkit.guards import loss_problem, nonfinite_metric, stopped_without_saving
-from toolkit.optim import make_optimizer, model_line
-from toolkit.progress import Progress, total_training_steps
-from toolkit.shutdown import breaks_group
+from toolkit.loop.guards import loss_problem, nonfinite_metric, stopped_without_saving
+from toolkit.loop.progress import Progress, total_training_steps
+from toolkit.process.shutdown import breaks_group
+from toolkit.run.config import require_finite, require_range
+from toolkit.run.early_stopping import EarlyStopping
+from toolkit.run.optim import make_optimizer, model_line
 
 
 def test_loss_problem_names_nonfinite_and_exploded_losses():
@@ -123,7 +123,7 @@ def test_which_ends_leave_the_process_group_alone(error, broken):
 
 
 def test_step_losses_read_many_steps_in_one_copy_as_the_same_floats():
-    from toolkit.losses import StepLosses
+    from toolkit.loop.losses import StepLosses
 
     losses = StepLosses(read_every=3)
     values = [[0.1, 0.2], [0.3], [float("nan")]]
@@ -143,7 +143,7 @@ def test_step_losses_read_many_steps_in_one_copy_as_the_same_floats():
 
 
 def test_a_gpu_busy_under_30_percent_of_its_first_minute_is_said_once():
-    from toolkit.meter import StepMeter
+    from toolkit.loop.meter import StepMeter
 
     def meter_at(busy: float):
         said, now = [], [0.0]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from toolkit.metrics import ERROR_SUMS, error_metrics, hit_rate_and_ndcg, masked_error_sums, rank_of_target
+from toolkit.run.metrics import ERROR_SUMS, error_metrics, hit_rate_and_ndcg, masked_error_sums, rank_of_target
 
 
 def test_rank_counts_ties_against_the_target():

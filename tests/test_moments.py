@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 from conftest import run_recipe
 
-from toolkit.distributed import combine_moments, local_moments, mean_over_processes, merge_moments, std_from_moments
-from toolkit.metrics import error_metrics, masked_error_sums
+from toolkit.run.distributed import combine_moments, local_moments, mean_over_processes, merge_moments, std_from_moments
+from toolkit.run.metrics import error_metrics, masked_error_sums
 
 
 def two_pass(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,14 +132,14 @@ SCRIPT = textwrap.dedent(
     import sys
 
     from toolkit.process import begin_process
-    begin_process()  # first: it ends the process group at exit (toolkit.shutdown)
+    begin_process()  # first: it ends the process group at exit (toolkit.process.shutdown)
     import numpy as np
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from toolkit.distributed import global_mean, mean_over_processes, merge_moments, std_from_moments
-    from toolkit.metrics import error_metrics, masked_error_sums
+    from toolkit.run.distributed import global_mean, mean_over_processes, merge_moments, std_from_moments
+    from toolkit.run.metrics import error_metrics, masked_error_sums
 
     out = sys.argv[1]
     accelerator = Accelerator(cpu=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from toolkit.loop import TrainingLoop
-from toolkit.losses import StepLosses
-from toolkit.step_graph import StepGraph
+from toolkit.loop.losses import StepLosses
+from toolkit.loop.training import TrainingLoop
+from toolkit.run.step_graph import StepGraph
 
 
 def stand_in_loop(accelerator, model, max_grad_norm: float) -> SimpleNamespace:

@@ -8,7 +8,7 @@ import torch
 from conftest import TOY, run_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from toolkit import precision
+from toolkit.run import precision
 
 X86_AVX2 = "processor\t: 0\nflags\t\t: fpu vme sse2 avx avx2 fma\n"
 X86_AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
@@ -67,7 +67,7 @@ def test_a_bf16_run_on_a_cpu_without_bf16_says_what_it_costs_once(cpuinfo, warne
 
 
 def test_cpu_kind_names_the_model_and_the_flags_that_decide_speed():
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     cpuinfo = "model name\t: Some CPU 9000\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n"
     kind = cpu_kind(cpuinfo)
@@ -77,7 +77,7 @@ def test_cpu_kind_names_the_model_and_the_flags_that_decide_speed():
 
 
 def test_cpu_kind_says_when_the_kernels_are_capped_to_emulate_an_older_cpu(monkeypatch):
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
@@ -87,7 +87,7 @@ def test_cpu_kind_says_when_the_kernels_are_capped_to_emulate_an_older_cpu(monke
 
 def test_every_benchmark_prints_the_cpus_kind():
     """A figure without the machine's kind is read as if every machine were equal (issue 27): each benchmark script
-    (and the side-by-side report the reference scripts share) prints toolkit.precision.cpu_kind."""
+    (and the side-by-side report the reference scripts share) prints toolkit.run.precision.cpu_kind."""
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     scripts = [p for p in [*root.glob("*.py"), *root.glob("references/*.py")] if "__main__" in p.read_text()]
     assert len(scripts) >= 12, scripts

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import CONFIGS, ROOT, TINY, TOY, logged_steps, ranks_seen, recipe_env, run_recipe
 
-from toolkit.tracking import TRAILING_COLUMNS
+from toolkit.run.tracking import TRAILING_COLUMNS
 
 pytestmark = pytest.mark.slow
 

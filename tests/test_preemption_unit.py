@@ -4,7 +4,7 @@ import os
 import signal
 import subprocess
 
-from toolkit import preemption
+from toolkit.process import preemption
 
 
 def test_requeue_is_capped_after_max_requeues(monkeypatch):

@@ -1,5 +1,5 @@
-"""Presets, once (toolkit.presets): every recipe's `--preset NAME` is tyro's named default configs, parsed by
-toolkit.config.parse_config. --help lists the presets and shows the chosen one's values; an unknown name is one
+"""Presets, once (toolkit.run.presets): every recipe's `--preset NAME` is tyro's named default configs, parsed by
+toolkit.run.config.parse_config. --help lists the presets and shows the chosen one's values; an unknown name is one
 line naming the valid ones; any flag overrides the preset's value; config.json records the preset's name."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 import pytest
 from conftest import ROOT, assert_refused, load_recipe, run_preloaded
 
-from toolkit.config import CHECK_ARGS, parse_config
-from toolkit.run import config_values
+from toolkit.run.config import CHECK_ARGS, parse_config
+from toolkit.run.start import config_values
 
 RECIPES = ["sasrec", "dcrnn", "ufs_emulator", "hrm"]
 # Each recipe's presets, the default first, and a flag to override with a value no preset has.
@@ -155,7 +155,7 @@ def test_sasrec_ml_1m_run_records_its_preset_with_the_flags_on_top(tmp_path):
 
 
 def test_a_run_made_before_presets_resumes_under_the_default_preset():
-    from toolkit.config import changed_flags as _changed_flags
+    from toolkit.run.config import changed_flags as _changed_flags
 
     old = {"lr": 0.001, "maxlen": 50}  # config.json of a sasrec run from before presets: no `preset`
     assert _changed_flags(old, {**old, "preset": "ml-100k"}) == []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from toolkit.randomness import keyed_hash, keyed_hash_int, keyed_uniform, sample_negatives, step_seed
+from toolkit.run.randomness import keyed_hash, keyed_hash_int, keyed_uniform, sample_negatives, step_seed
 
 
 def _touched(num_users=6, num_items=30):
@@ -69,7 +69,7 @@ def test_keyed_dropout_keys_the_samples_along_the_batch_dimension_it_is_given():
     """A sequence-first input [T, B, H] (a GRU's default): with batch_dim=1 each rank's half of the batch gets the
     mask the whole batch gives those samples, and the mask equals the batch-first one transposed. batch_dim is
     required: it was silently 0, which keyed the time steps, and 1 and 2 processes drifted apart."""
-    from toolkit import randomness
+    from toolkit.run import randomness
 
     x = torch.ones(6, 8, 3)  # [time, batch, features]
     dropout = randomness.KeyedDropout(0.5, batch_dim=1)
@@ -90,7 +90,7 @@ def test_keyed_dropout_keys_the_samples_along_the_batch_dimension_it_is_given():
 
 
 def test_keyed_dropout_masks_a_sample_the_same_on_any_rank():
-    from toolkit import randomness
+    from toolkit.run import randomness
 
     x = torch.ones(8, 5, 3)
     randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
@@ -108,7 +108,7 @@ def test_keyed_dropout_masks_a_sample_the_same_on_any_rank():
 
 
 def test_keyed_uniform_is_a_function_of_its_keys():
-    from toolkit.randomness import keyed_uniform
+    from toolkit.run.randomness import keyed_uniform
 
     ids = torch.arange(10_000)
     coins = keyed_uniform(3, 7, 11, ids)
@@ -122,7 +122,7 @@ def test_the_int_hash_is_the_tensor_hash_bit_for_bit():
     # exactly only if every value is the same, negative and 63-bit keys included.
     import random
 
-    from toolkit.randomness import keyed_hash, keyed_hash_int
+    from toolkit.run.randomness import keyed_hash, keyed_hash_int
 
     rng = random.Random(0)
     keys = [(rng.randrange(2**32), 0x5EED, rng.randrange(-(2**40), 2**40), rng.randrange(64)) for _ in range(5000)]
@@ -132,7 +132,7 @@ def test_the_int_hash_is_the_tensor_hash_bit_for_bit():
 
 
 def test_reseeding_the_global_rng_draws_what_torch_manual_seed_draws():
-    from toolkit.randomness import reseed_global_rng
+    from toolkit.run.randomness import reseed_global_rng
 
     torch.manual_seed(1234)
     expected = (torch.rand(5), torch.randn(3), torch.randint(0, 100, (4,)))
@@ -157,7 +157,7 @@ def test_keyed_hash_stays_on_the_tensor_keys_device():
 
 
 def test_keyed_keep_masks_a_sample_the_same_on_any_rank():
-    from toolkit import randomness
+    from toolkit.run import randomness
 
     randomness.begin_micro_batch(seed=1, key=7, rank=0, world_size=1)
     whole = randomness.keyed_keep(6, 11, 0.3, scale=2.0)
@@ -176,7 +176,7 @@ def test_keyed_keep_masks_a_sample_the_same_on_any_rank():
 def test_keep_from_lanes_is_the_comparison_with_the_threshold(dtype):
     """The CPU's float arithmetic (float32, float64) and the comparison (other dtypes, GPUs) give the same mask:
     lanes at or above round(p * 65536) - 32768 kept, every int16 value and both sides of the threshold tried."""
-    from toolkit.randomness import keep_from_lanes
+    from toolkit.run.randomness import keep_from_lanes
 
     lanes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(256, 256)
     for p in (0.0, 0.2, 0.3, 0.5, 0.99):

@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT, logged_steps, recipe_env, recipe_script, run_recipe
 from test_clean_exit import tiny_args, ufs_grid  # noqa: F401  (ufs_grid: a fixture tiny_args asks for)
 
-from toolkit import checkpoint
-from toolkit.verify import verify_run
+from toolkit.run import checkpoint
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 TIMING = {"epoch_time_sec", "throughput_samples_per_sec", "data_load_time_sec", "compute_time_sec", "cpu_util_avg",
@@ -25,7 +25,7 @@ STEPS = 10  # every recipe's tiny epoch is longer: no checkpoint before the end
 # (when 2 rows had appeared) came after the whole run had ended once the UFS MLP's steps took ~1 ms.
 STOP_AFTER_STEP_2 = """
 import os, runpy, signal, sys
-from toolkit.loop import AFTER_STEP_HOOKS
+from toolkit.loop.training import AFTER_STEP_HOOKS
 def stop_after_step_2(loop):
     if loop.progress.global_step == 2:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -14,8 +14,8 @@ from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader
 
-from toolkit.loop import TrainingStopped, require_whole_epoch, rest_of_epoch
-from toolkit.sampler import CrossEpochBatchSampler, EpochPermutation
+from toolkit.loop.training import TrainingStopped, require_whole_epoch, rest_of_epoch
+from toolkit.run.sampler import CrossEpochBatchSampler, EpochPermutation
 
 ITEMS = 23
 

@@ -1,7 +1,7 @@
 """Resume refusal by rule (issue 28, item 2): every field of every recipe's config is either resumable or refused.
 
 - Every field, enumerated from the config dataclasses (not a hand list), is changed in turn against a run's
-  config.json: a field outside toolkit.run.RESUMABLE_CHANGES is refused in one line naming its flag; one inside is
+  config.json: a field outside toolkit.run.start.RESUMABLE_CHANGES is refused in one line naming its flag; one inside is
   accepted.
 - Every resumable field has a changed value in RESUME_CHANGES below, and a real resume of each recipe with ALL of
   them changed at once gives weights bit-identical to the uninterrupted run: no resumable field changes what a step
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DATA_CACHE, TINY, TOY, load_recipe, run_recipe
-from toolkit.catalog import REPO_RECIPES, find_recipes
 from toolkit.errors import UsageError
-from toolkit.run import RESUMABLE_CHANGES, _previous_config, config_values
+from toolkit.run.start import RESUMABLE_CHANGES, _previous_config, config_values
+from toolkit.tools.catalog import REPO_RECIPES, find_recipes
 
 # Every recipe `python -m toolkit ls` finds, and the toolkit API's toy: a new recipe is covered (and needs a RUNS
 # entry below, which the resume test asks for by name).
@@ -84,8 +84,8 @@ def changed(value):
 
 def test_every_resumable_field_has_a_decision_and_exists(configs):
     assert set(RESUME_CHANGES) == RESUMABLE_CHANGES, (
-        "each field in toolkit.run.RESUMABLE_CHANGES needs a changed value in RESUME_CHANGES, which the resume test "
-        "below proves changes no step's computation")
+        "each field in toolkit.run.start.RESUMABLE_CHANGES needs a changed value in RESUME_CHANGES, which the resume "
+        "test below proves changes no step's computation")
     every_field = {f.name for cls in configs.values() for f in dataclasses.fields(cls)}
     assert RESUMABLE_CHANGES <= every_field, RESUMABLE_CHANGES - every_field
 
@@ -174,8 +174,8 @@ def test_a_run_made_before_a_flag_was_added_resumes_with_its_recorded_value_and_
     the recipe registers, not the core) resumes as if the value that reproduces it had been given; another value is
     refused. verify compares a checkpoint's settings with config.json's record of the added flags alone (no recipe
     loaded)."""
-    from toolkit.checkpoint import SETTINGS, settings_changes
-    from toolkit.config import ADDED_FLAGS, ADDED_FLAGS_KEY, added_flags
+    from toolkit.run.checkpoint import SETTINGS, settings_changes
+    from toolkit.run.config import ADDED_FLAGS, ADDED_FLAGS_KEY, added_flags
 
     cls = configs[recipe]
     added = added_flags(cls)

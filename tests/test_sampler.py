@@ -1,11 +1,11 @@
-"""toolkit.sampler: batches across epoch boundaries. The reference HRM's step count at Sudoku-1k, every item of an
+"""toolkit.run.sampler: batches across epoch boundaries. The reference HRM's step count at Sudoku-1k, every item of an
 epoch drawn once (only the incomplete batch at a cycle's end left out), the epoch's batches the same on every call
 (a resume), and what a loader over it yields."""
 
 import pytest
 import torch
 
-from toolkit.sampler import CrossEpochBatchSampler, EpochPermutation
+from toolkit.run.sampler import CrossEpochBatchSampler, EpochPermutation
 
 
 def test_sudoku_1k_takes_the_reference_steps():
@@ -60,7 +60,7 @@ def test_a_data_loader_yields_the_epochs_batches_and_plain_items_without_with_ep
 
 
 def test_shuffled_batches_are_shuffle_and_drop_last_in_a_keyed_order():
-    from toolkit.sampler import shuffled_batches
+    from toolkit.run.sampler import shuffled_batches
 
     sampler = shuffled_batches(10, 3, seed=2, epochs=3)
     orders = []

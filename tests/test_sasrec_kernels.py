@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 from test_sasrec_model import NUM_ITEMS, batch, chunked_attention_mask
 
-from toolkit import kernels, randomness
+from toolkit import kernels
 from toolkit.errors import UsageError
 from toolkit.kernels import sasrec as fast
 from toolkit.models import sasrec
 from toolkit.models.sasrec import SASRec
+from toolkit.run import randomness
 
 ATTENTIONS = {"plain": sasrec.causal_attention_with_dropout, "kernel": fast.causal_attention_with_dropout}
 

@@ -179,7 +179,7 @@ def test_deterministic_interval_values_by_gather_match_scatter_add():
 
 def keyed_masks(count, shape, p):
     """The keep masks (0/1) that keyed dropout draws for its first `count` calls in micro-batch (seed 3, key 5)."""
-    from toolkit import randomness
+    from toolkit.run import randomness
 
     randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
     masks = [randomness.keyed_keep_mask(shape, p) for _ in range(count)]
@@ -191,7 +191,7 @@ def chunked_attention_mask(batch_size, heads, length, p, chunks):
     """The [B, h, L, L] 0/1 mask that causal_attention_with_dropout applies at its first call in micro-batch (seed 3,
     key 5), written out from its documented layout: keyed_keep for (head, chunk, row, key) of the computed blocks,
     chunk after chunk, each block [rows, stop] row by row; zero right of the chunks (the future, masked anyway)."""
-    from toolkit import randomness
+    from toolkit.run import randomness
 
     per_head = sum((stop - start) * stop for start, stop in chunks)
     randomness.begin_micro_batch(seed=3, key=5, rank=0, world_size=1)
@@ -211,8 +211,9 @@ def test_attention_dropout_is_the_literal_formula_with_the_keyed_mask(time_aware
     """softmax(q k^T / sqrt(d_h) + causal mask), its weights times the keyed 0/1 mask / (1 - p), @ v: the model's
     code and its fast paths (converted: the chunked attention, CausalAttention) compute exactly that, with dropout,
     SASRec's and TiSASRec's."""
-    from toolkit import kernels, randomness
+    from toolkit import kernels
     from toolkit.models.sasrec import query_chunks
+    from toolkit.run import randomness
 
     torch.manual_seed(0)
     p = 0.3
@@ -256,8 +257,8 @@ def test_plain_attention_with_dropout_is_the_formula_with_the_mask_laid_out_by_q
                                                                                           monkeypatch):
     """The model's causal_attention_with_dropout places the keyed draw where its documented layout says (the
     chunks' blocks, row by row), for any length and chunk count: the mask the chunked kernel applies."""
-    from toolkit import randomness
     from toolkit.models import sasrec
+    from toolkit.run import randomness
 
     monkeypatch.setattr(sasrec, "query_chunks", lambda n, device: sasrec.even_chunks(n, count))
     chunks = sasrec.query_chunks(length, torch.device("cpu"))

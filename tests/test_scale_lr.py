@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from toolkit.config import TrainConfig, changed_flags, parse_config
+from toolkit.run.config import TrainConfig, changed_flags, parse_config
 
 
 @dataclasses.dataclass

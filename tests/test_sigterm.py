@@ -14,7 +14,7 @@ import psutil
 import pytest
 from conftest import CONFIGS, ROOT, TINY, logged_steps, ranks_seen, recipe_env, run_recipe
 
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ SASREC = str(ROOT / "recipes" / "sasrec.py")
 # files are written and before it is marked complete (a signal timed from outside could not hit that moment).
 SECOND_SIGTERM_DURING_THE_SAVE = """
 import os, runpy, signal, sys
-from toolkit import checkpoint
+from toolkit.run import checkpoint
 original = checkpoint.write_manifest
 def write_manifest(directory):
     os.kill(os.getpid(), signal.SIGTERM)

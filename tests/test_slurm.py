@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import ROOT, TINY, logged_steps, recipe_env
 
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 

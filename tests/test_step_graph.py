@@ -1,4 +1,4 @@
-"""--cuda-graphs capturing a whole step (toolkit.step_graph), on the parts a CPU can run: which runs may capture and
+"""--cuda-graphs capturing a whole step (toolkit.run.step_graph), on the parts a CPU can run: which runs may capture and
 the one line for those that may not; when the loop captures, replays, and runs uncaptured; and that the values a
 captured step keys on tensors (the epoch of SASRec's negatives, KeyedDropout's generators) draw exactly what the
 uncaptured step draws. Capture itself needs CUDA: benchmarks/gpu_proof.py's `graphs` check trains captured and
@@ -11,9 +11,9 @@ import torch
 from conftest import load_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from toolkit import randomness
-from toolkit.config import TrainConfig
-from toolkit.step_graph import WARMUP, StepGraph, refusal_line, whole_step_refusal
+from toolkit.run import randomness
+from toolkit.run.config import TrainConfig
+from toolkit.run.step_graph import WARMUP, StepGraph, refusal_line, whole_step_refusal
 
 
 def test_which_runs_capture_the_whole_step_and_the_line_for_the_others():
@@ -191,7 +191,7 @@ def test_a_captured_recipes_step_takes_no_python_value_that_changes_between_step
     # values (the epoch, the seed, the learning rate ...), only the tensors' contents differing. SASRec's CE on the
     # CPU picks its targets by a boolean index (a shape per batch): its GPU path, every position scored, is the one
     # checked here.
-    from toolkit import loop as loop_module
+    from toolkit.loop import training as loop_module
 
     recipe, *recipe_flags = recipe.split()
     module = load_recipe(recipe, f"recipe_{recipe}_streams")

@@ -17,8 +17,8 @@ import time
 import pytest
 from conftest import CONFIGS, ROOT, TINY, TOY, logged_steps, recipe_env
 
-from toolkit import checkpoint
-from toolkit.verify import verify_run
+from toolkit.run import checkpoint
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
@@ -208,7 +208,7 @@ def test_a_sweep_as_a_slurm_job_array_with_one_task_preempted_and_requeued(slurm
 def test_compare_columns_keeps_only_the_test_metrics_named():
     from pathlib import Path
 
-    from toolkit.compare import RunResult, compare
+    from toolkit.tools.compare import RunResult, compare
 
     tests = {"test_rmse": 1.0, "test_mae": 2.0, "test_jac/sst": 3.0}
     runs = [RunResult(Path(f"r{seed}"), "toy", {}, seed, {"main_metric": "val", "final_metrics": {"val": seed},
@@ -230,7 +230,7 @@ def test_a_recipe_check_refuses_a_grid_value_before_the_sweep_makes_anything(tmp
 
 
 def test_mean_std_reads_alike_in_every_column():
-    from toolkit.compare import mean_std
+    from toolkit.tools.compare import mean_std
 
     assert mean_std([0.7, 0.7222, 0.711]) == "0.711 ± 0.011"
     assert mean_std([1.0, 1.52, 0.8]) == "1.11 ± 0.37"
@@ -242,7 +242,7 @@ def test_mean_std_reads_alike_in_every_column():
 
 
 def test_runs_on_other_process_counts_are_other_groups(tmp_path):
-    from toolkit.compare import compare, load_run
+    from toolkit.tools.compare import compare, load_run
 
     for name, world, seed, value in (("a", 1, 0, 0.5), ("b", 1, 1, 0.7), ("c", 2, 0, 0.6), ("d", 2, 1, 0.8)):
         run = tmp_path / name

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import ROOT, final_weights, logged_losses, ranks_seen, run_recipe
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 ARGS = ["--samples", "640", "--max-steps", "10", "--eval-every-steps", "5", "--log-every", "1", "--threads", "1"]
 
 
 def test_the_template_is_short():
     lines = (ROOT / "recipes" / "template.py").read_text().splitlines()
-    assert len(lines) < 110  # with its two presets
+    assert len(lines) < 115  # with its two presets (16 of them its imports, one name a line)
 
 
 @pytest.mark.slow

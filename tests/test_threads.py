@@ -83,12 +83,13 @@ def test_torch_imported_before_toolkit_is_said_once_with_several_threads(tmp_pat
         assert two.startswith(expected) and one == "None", done.stdout
 
 
-# ---- load that arrives after an idle start: the run restarts itself under PASSIVE (toolkit.openmp.LoadWatch) ------
+# ---- load that arrives after an idle start: the run restarts itself under PASSIVE (toolkit.process.openmp.LoadWatch)
+# ------
 IDLE = "0.1 0.1 0.1 1/300"
 
 
 def test_a_load_watch_fires_after_three_busy_looks_in_a_row_at_its_cadence():
-    from toolkit.openmp import LoadWatch
+    from toolkit.process.openmp import LoadWatch
 
     now, machine = [0.0], [(0, 2)]
     watch = LoadWatch(every=2.0, clock=lambda: now[0], measure=lambda: machine[0])
@@ -104,7 +105,7 @@ def test_a_load_watch_fires_after_three_busy_looks_in_a_row_at_its_cadence():
 
 
 def test_the_restart_command_resumes_the_run_dir_in_place_of_the_users_flags(tmp_path):
-    from toolkit.openmp import restart_command
+    from toolkit.process.openmp import restart_command
 
     argv = ["python3", "-X", "dev", "recipes/sasrec.py", "--output-dir", "old", "--threads", "2",
             "--resume-from=auto", "--output_dir=x", "--lr", "0.1"]
@@ -144,10 +145,10 @@ def test_load_arriving_mid_run_restarts_it_under_passive_and_the_result_is_the_u
 
 LOAD_AND_SIGNAL = """
 import sys, toolkit, torch
-from toolkit import openmp, preemption
-from toolkit.config import TrainConfig
-from toolkit.loop import TrainingLoop
-from toolkit.run import start_run
+from toolkit.process import openmp, preemption
+from toolkit.run.config import TrainConfig
+from toolkit.loop.training import TrainingLoop
+from toolkit.run.start import start_run
 
 class Now:  # a load watch that sees load at once
     def arrived(self):
@@ -194,14 +195,14 @@ def test_a_pending_preemption_wins_over_a_load_restart(signal, tmp_path):
 
 
 def test_only_the_running_scripts_own_main_may_restart_the_process(tmp_path):
-    """A restart replaces the process: never a test's, a notebook's or `python -c`'s (toolkit.entry)."""
-    from toolkit.entry import _is_the_script
+    """A restart replaces the process: never a test's, a notebook's or `python -c`'s (toolkit.process.entry)."""
+    from toolkit.process.entry import _is_the_script
 
     def main():
         pass
 
     assert not _is_the_script(main)  # this test's
-    probe = "from toolkit.entry import _is_the_script\ndef main():\n    pass\nprint(_is_the_script(main))\n"
+    probe = "from toolkit.process.entry import _is_the_script\ndef main():\n    pass\nprint(_is_the_script(main))\n"
     script = tmp_path / "script.py"
     script.write_text(probe)
     env = recipe_env({"PYTHONPATH": str(ROOT)})

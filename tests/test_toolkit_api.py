@@ -13,7 +13,7 @@ import torch
 from conftest import TOY, final_weights, ranks_seen, run_recipe
 from safetensors.torch import load_file
 
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def test_resume_from_every_checkpoint_keeps_every_row_and_header(tmp_path):
 
 
 def test_a_log_cut_to_nothing_gets_its_header_again(tmp_path):
-    from toolkit.tracking import CSVTracker, MetricsFile, truncate_to_bytes
+    from toolkit.run.tracking import CSVTracker, MetricsFile, truncate_to_bytes
 
     log, metrics = CSVTracker(tmp_path), MetricsFile(tmp_path)
     log.log({"loss": 1.5}, step=1)
@@ -263,11 +263,11 @@ def test_two_processes_load_a_best_checkpoint_older_than_the_last(tmp_path):
 
 
 def test_accelerated_zero_grad_still_reads_the_optimizers_signature():
-    """toolkit.run answers Accelerate's per-step question (does optimizer.zero_grad take set_to_none?) once per
+    """toolkit.run.start answers Accelerate's per-step question (does optimizer.zero_grad take set_to_none?) once per
     function: the answers stay right for each optimizer class."""
     import accelerate.optimizer
 
-    import toolkit.run  # noqa: F401  (installs the cached signature)
+    import toolkit.run.start  # noqa: F401  (installs the cached signature)
 
     class NoSetToNone(torch.optim.SGD):
         def zero_grad(self):  # an optimizer whose zero_grad takes no set_to_none: Accelerate then refuses the flag

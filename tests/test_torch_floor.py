@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import dir_tree
 
-from toolkit import compilation
 from toolkit.errors import UsageError
 from toolkit.export import main as export_main
-from toolkit.torch_floor import AOTI, require_torch, torch_release
+from toolkit.process.torch_floor import AOTI, require_torch, torch_release
+from toolkit.run import compilation
 
 
 def run_export(argv: list[str], capfd) -> tuple[int, str, str]:

@@ -27,7 +27,7 @@ from toolkit.data.traffic import (
     write_dataset,
 )
 from toolkit.errors import UsageError
-from toolkit.metrics import masked_error_sums
+from toolkit.run.metrics import masked_error_sums
 
 
 @pytest.fixture(scope="module")

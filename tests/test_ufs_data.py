@@ -32,8 +32,8 @@ from toolkit.data.ufs import (
     select_patterns,
     synthesize,
 )
-from toolkit.distributed import combine_moments, local_moments, std_from_moments
 from toolkit.errors import UsageError
+from toolkit.run.distributed import combine_moments, local_moments, std_from_moments
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from conftest import assert_refused, final_weights, logged_losses, ranks_seen, r
 
 from toolkit.data.ufs import DEFAULT_INPUTS, load_patterns, synthesize
 from toolkit.models.ufs_emulator import from_run_config
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, recipe_env, run_recipe
 
-from toolkit.verify import verify_run
+from toolkit.tools.verify import verify_run
 
 pytestmark = pytest.mark.slow
 

@@ -36,13 +36,18 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from toolkit.config import TrainConfig, parse_config  # noqa: E402
-from toolkit.early_stopping import EarlyStopping  # noqa: E402
-from toolkit.entry import one_line_errors  # noqa: E402
-from toolkit.loop import TrainingLoop  # noqa: E402
-from toolkit.optim import make_optimizer  # noqa: E402
-from toolkit.randomness import KeyedDropout, keyed_uniform  # noqa: E402
-from toolkit.run import Run, start_run  # noqa: E402
+from toolkit import (  # noqa: E402
+    EarlyStopping,
+    KeyedDropout,
+    Run,
+    TrainConfig,
+    TrainingLoop,
+    keyed_uniform,
+    make_optimizer,
+    one_line_errors,
+    parse_config,
+    start_run,
+)
 
 FEATURE_DROP = 7  # purpose key of the per-sample coins
 

@@ -31,8 +31,8 @@ if sys.argv[1:2] == ["launch"] and "TORCH_CPP_LOG_LEVEL" not in os.environ:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     os.environ["_TOOLKIT_QUIET_LAUNCHER"] = "1"
 
-from toolkit import catalog, compare, doctor, launch, sweep, verify  # noqa: E402
-from toolkit.entry import one_line_errors  # noqa: E402
+from toolkit.process.entry import one_line_errors  # noqa: E402
+from toolkit.tools import catalog, compare, doctor, launch, sweep, verify  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""The two kinds of failure a run reports in one line (toolkit.entry turns them into exit statuses).
+"""The two kinds of failure a run reports in one line (toolkit.process.entry turns them into exit statuses).
 
 - UsageError, exit 2: bad input from the user, found before (or instead of) the work: the line names the flag,
   path or value and what would be valid.

@@ -10,7 +10,8 @@ walk, batch 64, Adam 0.01 (eps 1e-3), clip 5, scheduled sampling decay 80 steps 
 windows: our split_windows() (70/10/20 in time, no window across a boundary) written as the reference's
 data/<name>/{train,val,test}.npz (x, y: [windows, 12, sensors, 2], speed in mph and time of day) with the adjacency
 pickle in the table's sensor order. --threads sets the intra-op threads of both (1: the cpu preset's), each with
-the OpenMP wait policy the toolkit chooses for this machine's load (toolkit/openmp.py: PASSIVE when busy, libgomp's
+the OpenMP wait policy the toolkit chooses for this machine's load (toolkit/process/openmp.py: PASSIVE when busy,
+libgomp's
 spin when idle; an exported OMP_WAIT_POLICY is used as given).
 
 The reference needs scipy and tensorboard besides torch, numpy, pandas and PyYAML (give its interpreter with

@@ -43,7 +43,7 @@ first (first-call allocations).
 
 Processes (--processes): `one` (the default) runs both sides in this process, on glibc's default heap: the model
 code's time alone. `two` runs each side in a process of its own, every round (this script with --side): ours with
-the heap a run of the toolkit keeps (toolkit.heap, set by start_run: freed memory stays for the next step), the
+the heap a run of the toolkit keeps (toolkit.process.heap, set by start_run: freed memory stays for the next step), the
 reference's as its pretrain.py has it (glibc's default, which returns a step's memory to the system and faults it
 back in the next): each side as its own program runs.
 
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and exploration")
     parser.add_argument("--processes", choices=("one", "two"), default="one",
                         help="one: both sides in this process (glibc's default heap); two: each in its own process, "
-                             "ours with the heap a toolkit run keeps (toolkit.heap)")
+                             "ours with the heap a toolkit run keeps (toolkit.process.heap)")
     parser.add_argument("--side", choices=("ours", "reference"), help=argparse.SUPPRESS)  # --processes two's child
     args = parser.parse_args()
     root = require_checkout(args.reference, MODEL_FILE, REPOSITORY)
@@ -253,7 +253,7 @@ def main() -> None:
     torch.manual_seed(args.seed)  # both sides' initial weights; the reference's exploration draws
     if args.side:  # a child of --processes two: one side, its heap as its program has it, one timed stretch
         if args.side == "ours":
-            from toolkit import heap
+            from toolkit.process import heap
 
             heap.keep_between_steps()
         step = (our_side(sizes, ours_batches, args.seed) if args.side == "ours"
@@ -268,7 +268,7 @@ def main() -> None:
         for step in sides.values():  # first-call allocations and lazy initialisation, not timed
             step()
     heaps = ("both sides in this process, glibc's default heap" if args.processes == "one" else
-             "each side in its own process: ours with the heap kept between steps (toolkit.heap, as a toolkit run), "
+             "each side in its own process: ours with the heap kept between steps (toolkit.process.heap, as a run), "
              "the reference's glibc's default")
     print(
         f"HRM {args.preset_sizes} sizes {sizes}, fp32, {args.steps} step(s) of each per round, {args.rounds} "
@@ -287,7 +287,7 @@ def main() -> None:
     for name, times in seconds.items():
         print(f"median {name:9} {statistics.median(times) * 1e3:8.1f} ms/step")
     per_round = [t / o for o, t in zip(seconds["ours"], seconds["reference"], strict=True)]
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     print(f"CPU: {cpu_kind(threads=args.threads)}")
     print(f"ratio reference/ours per step = {statistics.median(per_round):.2f} (median of the rounds, "

@@ -94,7 +94,7 @@ def our_epoch_time(run_dir: Path, epochs: int, quality_columns: tuple[str, ...] 
     EPOCHS, so that one row spans every epoch): the row's interval, which is everything the training took (each
     batch's fetch, forward, backward and optimizer step, the loop's per-step bookkeeping and the checkpoint saved
     at each epoch end: a user pays for those too; the first epoch's warm-up included) and not the evaluation
-    (toolkit/loop.py reads the interval before evaluating). Also the time inside the batches alone."""
+    (toolkit/loop/training.py reads the interval before evaluating). Also the time inside the batches alone."""
     with open(run_dir / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     row = rows[-1]
@@ -131,7 +131,7 @@ def alternate(rounds: int, sides: dict[str, Callable[[int], EpochTime]]) -> dict
 
 def report(results: dict[str, list[EpochTime]], threads: int) -> None:
     """The CPU's kind, medians over the rounds, the per-round ratios' range, and the ratio as the last line."""
-    from toolkit.precision import cpu_kind
+    from toolkit.run.precision import cpu_kind
 
     (ours_name, ours), (theirs_name, theirs) = results.items()
     print(f"CPU: {cpu_kind(threads=threads or 'each program')}")

@@ -58,7 +58,7 @@ def writable(cache_dir: Path | str, flag: str = "--cache-dir"):
         if error.errno not in _UNUSABLE:
             raise
         if error.errno in (errno.ENOSPC, errno.EDQUOT):  # the directory is fine: its disk is full
-            from toolkit.checkpoint import disk_usage_words  # here: it imports torch
+            from toolkit.run.checkpoint import disk_usage_words  # here: it imports torch
 
             raise UsageError(f"{flag} {cache_dir}: {disk_usage_words(error, Path(cache_dir))}; free space there or "
                              f"pass a {flag} on another disk (nothing was cached)") from None

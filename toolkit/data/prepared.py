@@ -27,7 +27,7 @@ class Prepared(NamedTuple):
         return self.meta["fingerprint"]
 
     def describe(self, run, **info) -> None:
-        """Record the data in config.json (toolkit.run.Run.describe_data): on resume, other data is refused."""
+        """Record the data in config.json (toolkit.run.start.Run.describe_data): on resume, other data is refused."""
         run.describe_data(self.fingerprint, source=self.meta.get("source"), **info)
 
 

@@ -45,7 +45,7 @@ class TensorRows(torch.utils.data.Dataset):
         row = self.rows[index]
         return {self.index_name: row, **{name: value[row] for name, value in self.fields.items()}}
 
-    # toolkit.device_data: batches cut on the device
+    # toolkit.run.device_data: batches cut on the device
     def device_bytes(self) -> int:
         """Every field's rows, gathered."""
         return sum(field[0].numel() * field.element_size() * len(self.rows) for field in self.fields.values())

@@ -46,8 +46,8 @@ import pyarrow as pa
 
 from toolkit.data.cache import DATASET_DIR, META_FILE, cached_dataset, file_fingerprint, save_atomically, writable
 from toolkit.data.prepared import Prepared, require_path
-from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
+from toolkit.process.entry import one_line_errors
 
 FORMAT_VERSION = 1
 CELLS = 81

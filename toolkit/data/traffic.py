@@ -31,11 +31,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from toolkit import extras
 from toolkit.data.cache import cached_dataset, file_fingerprint
 from toolkit.data.prepared import Prepared
 from toolkit.errors import UsageError
-from toolkit.metrics import masked_error_sums
+from toolkit.process import extras
+from toolkit.run.metrics import masked_error_sums
 
 FORMAT_VERSION = 1  # bump when the processed layout changes
 INPUT_STEPS = 12
@@ -255,7 +255,7 @@ class TrafficWindows(torch.utils.data.Dataset):
             "y": self.speed[middle : middle + OUTPUT_STEPS],
         }
 
-    # toolkit.device_data: windows cut on the device from the whole table, moved there once
+    # toolkit.run.device_data: windows cut on the device from the whole table, moved there once
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.inputs, self.speed, self.starts))
 
@@ -385,7 +385,7 @@ def data_warnings(speed: torch.Tensor, meta: dict, *, batches: int = 0, grad_acc
 
 def horizon_metrics(sums: torch.Tensor, prefix: str, interval_minutes: float) -> dict[str, float]:
     """{prefix_mae, prefix_rmse, prefix_mape, prefix_mae@15min, ...} from per-horizon sums [OUTPUT_STEPS, 5]."""
-    from toolkit.metrics import error_metrics
+    from toolkit.run.metrics import error_metrics
 
     overall = error_metrics(sums.sum(dim=0))
     metrics = {f"{prefix}_{name}": overall[name] for name in ("mae", "rmse", "mape")}

@@ -22,7 +22,7 @@ cells, or at `--max-patterns-per-rank` x the process count (a keyed random subse
 count) and split into training and validation by a keyed coin per cell.
 
 Sharding as seed 001 does it: rank r of W reads only the values of patterns r, r+W, r+2W, ... . The normalisation
-statistics are merged from those shards (count, mean, M2 in float64: toolkit.distributed.merge_moments); the
+statistics are merged from those shards (count, mean, M2 in float64: toolkit.run.distributed.merge_moments); the
 shards are then assembled in pattern order on every rank, so the training set, and with it the training, does not
 depend on how the patterns were sharded.
 
@@ -58,7 +58,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit import extras
 from toolkit.data.cache import file_fingerprint
 from toolkit.data.prepared import counted_over_ranks
 from toolkit.data.rows import TensorRows
@@ -87,9 +86,10 @@ from toolkit.data.ufs_domains import (
     team_ice,
     thickness_tair_ocean,
 )
-from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
-from toolkit.randomness import keyed_uniform
+from toolkit.process import extras
+from toolkit.process.entry import one_line_errors
+from toolkit.run.randomness import keyed_uniform
 
 DEFAULT_INPUTS = (
     "sst",
@@ -857,7 +857,7 @@ def load_patterns(
     smaller), read this rank's strided share, refuse NaNs (counted over all ranks), merge the training statistics
     over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every shard in pattern order
     on every rank. A collective: every rank calls it."""
-    from toolkit.distributed import merge_moments, std_from_moments
+    from toolkit.run.distributed import merge_moments, std_from_moments
 
     check_domain(domain, mask=mask, mask_variable=mask_variable, lat_variable=lat_variable, min_abs_lat=min_abs_lat,
                  hemisphere=hemisphere, open_water=open_water, max_patterns=max_patterns,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit import extras
 from toolkit.errors import UsageError
+from toolkit.process import extras
 
 # aibalance b1eccbc cf_mappings.py (CF_OCN, CF_ATM), our name -> the CF name its files use. flwdn and fswdn are not
 # there (aibalance then trains on zeros for them); the generator writes them under their CF standard names.

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from toolkit.errors import UsageError
-from toolkit.randomness import keyed_uniform
+from toolkit.run.randomness import keyed_uniform
 
 AUTO = "auto"
 CAP_COIN = 12  # the purpose of the keyed per-cell coin that picks a capped subset (--domain toolkit)

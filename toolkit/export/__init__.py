@@ -57,13 +57,13 @@ import argparse
 import os
 from pathlib import Path
 
-from toolkit.entry import one_line_errors
 from toolkit.errors import UsageError
 from toolkit.export.aoti import export_aoti
 from toolkit.export.load import EXPORTABLE, Exportable, best_checkpoint, load_package, load_run
 from toolkit.export.netcdf import predict_netcdf
 from toolkit.export.soca import export_soca, read_soca, soca_emulator
 from toolkit.export.torchscript import export_torchscript, load_torchscript
+from toolkit.process.entry import one_line_errors
 
 __all__ = ["EXPORTABLE", "Exportable", "best_checkpoint", "export_aoti", "export_soca", "export_torchscript",
            "load_package", "load_run", "load_torchscript", "main", "predict_netcdf", "read_soca", "soca_emulator"]

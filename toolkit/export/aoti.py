@@ -9,7 +9,7 @@ from pathlib import Path
 
 from toolkit.errors import UsageError
 from toolkit.export.load import load_run, quiet_torch_internals
-from toolkit.torch_floor import AOTI, require_torch
+from toolkit.process.torch_floor import AOTI, require_torch
 
 AOTI_INSTEAD = ("pip install 'torch>=2.6', or export TorchScript for C++ instead (python -m toolkit.export "
                 "torchscript RUN_DIR --out emulator.pt)")

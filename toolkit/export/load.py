@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.rundir import MODEL_FILE, RunDir, read_json
+from toolkit.run import checkpoint
+from toolkit.run.rundir import MODEL_FILE, RunDir, read_json
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -137,7 +137,7 @@ def quiet_torch_internals():
 def load_package(path: Path | str):
     """(the compiled program, its meta) from a package written by export_aoti; the program maps x [n, inputs]
     float64 to (predictions, jacobian)."""
-    from toolkit.torch_floor import AOTI, require_torch
+    from toolkit.process.torch_floor import AOTI, require_torch
 
     require_torch(AOTI, "an AOTInductor package (--model .pt2)",
                   "pip install 'torch>=2.6', or predict from the run directory (predict RUN_DIR ...)")

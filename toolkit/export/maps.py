@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit import extras
 from toolkit.errors import UsageError
+from toolkit.process import extras
 
 EARTH_RADIUS_KM = 6371.0
 POLES = (("north", 1.0), ("south", -1.0))

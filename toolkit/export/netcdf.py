@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit import extras
 from toolkit.errors import UsageError
 from toolkit.export.load import load_package, load_run
+from toolkit.process import extras
 
 FILL_VALUE = 1.0e30  # CICE's spval: what its history files hold outside the ocean
 PREDICT_CHUNK = 16384  # points per call: bounds the [chunk, width, inputs] Jacobian chain in memory
@@ -117,7 +117,7 @@ def load_predictor(run_dir, model_path, step):
         program, meta = load_package(model_path)
         return program, meta, f"{model_path} (exported from {meta.get('run_dir')} {meta.get('checkpoint')})"
     from toolkit.models.ufs_emulator import ExportedEmulator
-    from toolkit.rundir import RunDir, read_json
+    from toolkit.run.rundir import RunDir, read_json
 
     model, meta = load_run(run_dir, step)
     if "config" not in meta:

@@ -234,7 +234,7 @@ def export_torchscript(run_dir: Path | str, out: Path | str, step: int | None = 
 
 def run_config(run_dir: Path | str) -> dict:
     """config.json's "config" (load_run has read the file already)."""
-    from toolkit.rundir import RunDir, read_json
+    from toolkit.run.rundir import RunDir, read_json
 
     return (read_json(RunDir(Path(run_dir)).config) or {}).get("config") or {}
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UsageError
-from toolkit.randomness import begin_micro_batch, end_micro_batches
+from toolkit.run.randomness import begin_micro_batch, end_micro_batches
 
 CHOICES = ("auto", "plain")
 

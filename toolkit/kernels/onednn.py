@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from toolkit.precision import cpu_vendor
+from toolkit.run.precision import cpu_vendor
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from toolkit.kernels import onednn, replaces
 from toolkit.kernels.onednn import linear
 from toolkit.models import sasrec
-from toolkit.randomness import keyed_dropout
+from toolkit.run.randomness import keyed_dropout
 
 
 @replaces(sasrec.SelfAttention)

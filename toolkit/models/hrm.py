@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.optim import register_optimizer
-from toolkit.randomness import MASK32, keyed_hash_int, mix32
+from toolkit.run.optim import register_optimizer
+from toolkit.run.randomness import MASK32, keyed_hash_int, mix32
 
 FAST_PATHS = "toolkit.kernels.hrm"  # the CPU kernels of Linear, Attention, SwiGLU and RMSNorm (toolkit.kernels)
 IGNORE_LABEL = -100

@@ -10,7 +10,7 @@ model computes x = post_norm(x + F(x)) and mHC (manifold-constrained hyper-conne
 the plain model's names, so `mhc.load_state_dict(plain.state_dict(), strict=False)` copies all shared weights,
 and a freshly initialised mHC model computes what the plain model computes.
 
-Dropout is keyed (toolkit.randomness.KeyedDropout): a sample's masks do not depend on which rank holds it.
+Dropout is keyed (toolkit.run.randomness.KeyedDropout): a sample's masks do not depend on which rank holds it.
 
 This file is the model in plain PyTorch: F.linear, autograd, the attention written as its formula. Its fast paths
 (linear layers by oneDNN on the CPU, the attention with dropout in query chunks with its backward written out) are
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
+from toolkit.run.randomness import KeyedDropout, keyed_dropout, keyed_keep, keyed_keep_mask
 
 FAST_PATHS = "toolkit.kernels.sasrec"  # the CPU fast paths of SelfAttention and FeedForward (toolkit.kernels)
 NORMS = ("post", "pre", "original")

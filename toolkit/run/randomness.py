@@ -124,7 +124,7 @@ def keyed_keep(rows: int, per_row: int, p: float, *, device: torch.device | str 
 
 
 # One generator per (device, draw number in the micro-batch), reseeded for each draw: the same numbers as a new
-# generator seeded alike, and the same generator objects every step, which a captured step (toolkit.step_graph)
+# generator seeded alike, and the same generator objects every step, which a captured step (toolkit.run.step_graph)
 # registers with its CUDA graph and reseeds before each replay.
 _generators: dict[tuple[str, int], torch.Generator] = {}
 
@@ -252,8 +252,8 @@ def rank_dependent_dropout_line(model: torch.nn.Module) -> str | None:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"warning: the model uses torch.nn dropout ({shown}): its masks differ by rank, so N processes do not "
-            "train as one and a resume on another process count differs; use toolkit.randomness.KeyedDropout (for a "
-            "GRU, LSTM, RNN or attention: dropout=0 inside, KeyedDropout between)")
+            "train as one and a resume on another process count differs; use toolkit.KeyedDropout (for a GRU, "
+            "LSTM, RNN or attention: dropout=0 inside, KeyedDropout between)")
 
 
 class UntouchedItems:

@@ -21,22 +21,23 @@ from collections.abc import Callable
 
 import torch
 
-from toolkit import compilation, openmp, preemption, randomness
-from toolkit.agreement import agree, any_rank_on_host
-from toolkit.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
-from toolkit.distributed import mean_over_processes
 from toolkit.errors import TrainingStopped
-from toolkit.evaluation import Evaluations
-from toolkit.guards import stopped_without_saving
-from toolkit.keeper import CheckpointKeeper
-from toolkit.losses import StepLosses, read_and_count
-from toolkit.meter import StepMeter
-from toolkit.optim import step_optimizer
-from toolkit.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
-from toolkit.randomness import reseed_global_rng, step_seed
-from toolkit.run import Run
-from toolkit.step_graph import StepGraph
-from toolkit.summary import RunEnd
+from toolkit.loop.agreement import agree, any_rank_on_host
+from toolkit.loop.cadence import epoch_end_save_due, evaluation_due, mid_epoch_save_due
+from toolkit.loop.evaluation import Evaluations
+from toolkit.loop.guards import stopped_without_saving
+from toolkit.loop.keeper import CheckpointKeeper
+from toolkit.loop.losses import StepLosses, read_and_count
+from toolkit.loop.meter import StepMeter
+from toolkit.loop.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
+from toolkit.loop.summary import RunEnd
+from toolkit.process import openmp, preemption
+from toolkit.run import compilation, randomness
+from toolkit.run.distributed import mean_over_processes
+from toolkit.run.optim import step_optimizer
+from toolkit.run.randomness import reseed_global_rng, step_seed
+from toolkit.run.start import Run
+from toolkit.run.step_graph import StepGraph
 
 __all__ = ["AFTER_STEP_HOOKS", "Progress", "TrainingLoop", "TrainingStopped", "rest_of_epoch", "require_whole_epoch"]
 
@@ -75,7 +76,8 @@ class TrainingLoop(RunEnd):
         # The epoch as a tensor on the device, for what a captured step keys on it (SASRec's negatives): a Python int
         # would be baked into the graph at its capture
         self._device_epoch = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
-        # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE (toolkit.openmp)
+        # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE
+        # (toolkit.process.openmp)
         self._load_watch = openmp.load_watch(torch.get_num_threads(), self.accelerator.num_processes)
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
             run.print(plain_dropout)
@@ -97,7 +99,7 @@ class TrainingLoop(RunEnd):
         cfg, progress = self.config, self.progress
         if not self.run.begun:
             raise RuntimeError("call loop.start() before iterating loop.epochs()")
-        preemption.catch_sigterm()  # a launcher's worker too, from here on (toolkit.preemption)
+        preemption.catch_sigterm()  # a launcher's worker too, from here on (toolkit.process.preemption)
         self.meter.open_bar(self.total_steps, progress.global_step, self.run.recipe)
         past_max_steps = cfg.max_steps is not None and progress.global_step >= cfg.max_steps
         self.stopped = bool(progress.stop_reason) or past_max_steps  # resumed after a stop or at --max-steps
@@ -192,13 +194,13 @@ class TrainingLoop(RunEnd):
 
     def run_step(self, step: Callable[[dict], None], batch: dict) -> None:
         """step(batch): the recipe's training step (forward, backward, optimizer_step). Called as is; under
-        --cuda-graphs, captured once as one CUDA graph and replayed (toolkit.step_graph), where it must key anything
+        --cuda-graphs, captured once as one CUDA graph and replayed (toolkit.run.step_graph), where it must key anything
         that changes between steps on tensors (the batch, device_epoch), not on Python values."""
         self.step_graph.run(step, batch)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss, already the mean over the whole GLOBAL batch (the same value on every rank): a
-        rank's own mean must be averaged first (toolkit.distributed.mean_over_processes), or use optimizer_step's
+        rank's own mean must be averaged first (toolkit.run.distributed.mean_over_processes), or use optimizer_step's
         rank_loss=, which does it. For a step that optimizer_step does not fit (HRM's two optimizers)."""
         if self.step_graph.capturing:  # the graph's loss, copied after each replay (the next one overwrites it)
             static = loss.detach()
@@ -229,7 +231,8 @@ class TrainingLoop(RunEnd):
         cfg, progress = self.config, self.progress
         step = progress.global_step
         self.losses.close_step(step, progress.epoch)
-        if self._compile_report is not None:  # --compile: the first step's compute, said once (toolkit/compilation.py)
+        # --compile: the first step's compute, said once (toolkit/run/compilation.py)
+        if self._compile_report is not None:
             self._compile_report = self._compile_report(self.meter.timer.compute_sec)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             self.stopped = True
@@ -293,7 +296,8 @@ class TrainingLoop(RunEnd):
 
     def _checkpoint_and_restart_under_passive(self, load: str) -> None:
         """Load arrived while the threads spin (one process): a complete checkpoint of this step, one line, the run
-        ended as after a pre-emption, and the process restarts itself under PASSIVE (toolkit.openmp), resuming here."""
+        ended as after a pre-emption, and the process restarts itself under PASSIVE (toolkit.process.openmp), resuming
+        here."""
         step = self.progress.global_step
         self.save()
         self.meter.close_bar()

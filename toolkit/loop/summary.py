@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from toolkit import checkpoint, extras
-from toolkit.progress import Progress
-from toolkit.rundir import SUMMARY_FILE
-from toolkit.tracking import format_table, plot_curves, write_json
+from toolkit.loop.progress import Progress
+from toolkit.process import extras
+from toolkit.run import checkpoint
+from toolkit.run.rundir import SUMMARY_FILE
+from toolkit.run.tracking import format_table, plot_curves, write_json
 
 
 def run_summary(run, progress: Progress, *, main_metric: str, higher_is_better: bool, test_metrics: dict,
@@ -67,7 +68,8 @@ def finish_run(run, progress: Progress, evaluations, keeper, *, extra: dict | No
 
 
 class RunEnd:
-    """The end of a training run, a part of TrainingLoop (toolkit.loop): the best weights, the test, summary.json
+    """The end of a training run, a part of TrainingLoop (toolkit.loop.training): the best weights, the test,
+    summary.json
     and the run's end. It reads the loop's meter, keeper, progress, evaluations and wall-time marks."""
 
     def load_best(self) -> Path | None:

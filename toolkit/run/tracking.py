@@ -15,9 +15,9 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
-from toolkit import extras
 from toolkit.errors import UsageError
-from toolkit.rundir import LOG_FILE, METRICS_FILE
+from toolkit.process import extras
+from toolkit.run.rundir import LOG_FILE, METRICS_FILE
 
 CURVES_FILE = "curves.png"
 
@@ -61,7 +61,7 @@ class CSVTracker(GeneralTracker):
                 for name, value in values.items():
                     writer.writerow([step, name, repr(value) if isinstance(value, float) else value])
         except OSError as error:  # a full disk: one line naming it (a resume cuts the file back to its checkpoint)
-            from toolkit.checkpoint import disk_error  # here: it imports torch and accelerate's state
+            from toolkit.run.checkpoint import disk_error  # here: it imports torch and accelerate's state
 
             raise disk_error(error, self.path) from None
 

@@ -6,12 +6,14 @@
 begin_process() makes SIGUSR1 (SLURM's pre-emption / time-limit signal) set a flag instead of killing the process, so
 a signal that arrives while a recipe is still importing torch or preparing data is not lost: the training loop
 checkpoints and stops at its next step. SIGTERM before a run has started still ends the process, with one line
-saying so (not a silent -15); from the run's start it is pre-emption too (toolkit.preemption), except in a
+saying so (not a silent -15); from the run's start it is pre-emption too (toolkit.process.preemption), except in a
 launcher's worker before training (see there). It chooses OpenMP's wait policy for the machine's load, which only
-works before torch (and its OpenMP runtime) is loaded (toolkit.openmp). Under a launcher it starts the watch that
-stops this worker when the launcher dies (toolkit.orphans), as early as possible: a launcher killed during start-up
+works before torch (and its OpenMP runtime) is loaded (toolkit.process.openmp). Under a launcher it starts the watch
+that
+stops this worker when the launcher dies (toolkit.process.orphans), as early as possible: a launcher killed during
+start-up
 must not leave a worker waiting for a rendezvous. And it registers the exit hook that ends what the process left
-running, its process group included (toolkit.shutdown), so that no script ends one by hand.
+running, its process group included (toolkit.process.shutdown), so that no script ends one by hand.
 
 start_run() installs what is still meaningful when begin_process() was not called (a notebook, another program):
 the pre-emption handlers, the launcher watch, the exit hook and the heap setting; not the OpenMP policy (torch is
@@ -44,7 +46,7 @@ def _stop_before_the_run(signum, frame) -> None:
 
 
 def signalled_early() -> bool:
-    """Whether SIGUSR1 arrived between begin_process() and the run's own handler (toolkit.preemption)."""
+    """Whether SIGUSR1 arrived between begin_process() and the run's own handler (toolkit.process.preemption)."""
     return _early_signal
 
 
@@ -62,7 +64,7 @@ def begin_process() -> None:
         # when one failed while starting (e.g. rank 0's one-line usage error), and they must end quietly.
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and "TORCHELASTIC_RUN_ID" not in os.environ:
             signal.signal(signal.SIGTERM, _stop_before_the_run)
-    from toolkit import openmp, orphans, shutdown
+    from toolkit.process import openmp, orphans, shutdown
 
     openmp.prefer_passive_wait()  # before anything imports torch (and its OpenMP runtime)
     orphans.stop_when_launcher_dies()

@@ -8,7 +8,7 @@ A recipe declares them once, in the shape of tyro's `overridable_config_cli`, th
     }
     cfg = parse_config(PRESETS, argv, description=__doc__)
 
-and `toolkit.config.parse_config` does the rest with tyro's own named default configs
+and `toolkit.run.config.parse_config` does the rest with tyro's own named default configs
 (`tyro.extras.subcommand_type_from_defaults`): each preset is a subcommand whose default instance gives the flags'
 defaults, so `--preset metr-la --help` shows metr-la's values. tyro spells the choice as a positional subcommand
 (`dcrnn.py metr-la --epochs 3`); `--preset NAME` anywhere on the line is moved there here, once for every recipe, so

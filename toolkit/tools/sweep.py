@@ -34,9 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-from toolkit.config import CHECK_ARGS
 from toolkit.errors import UsageError
-from toolkit.rundir import RunDir
+from toolkit.run.config import CHECK_ARGS
+from toolkit.run.rundir import RunDir
 
 MANIFEST = "sweep.json"
 SET_BY_THE_SWEEP = {"output-dir", "resume-from", "run-name"}  # each run's own; a grid or `--` cannot set them

@@ -9,16 +9,16 @@ job FAILED. What was left running, and what ends it here:
   needs the GIL, which it can no longer get, and the process aborts. `destroy_process_group()` alone did not end
   them: importing `torch._dynamo` (DDP does it in its constructor) while a process group exists keeps 9 references
   to it for the life of the process, so the group outlived every DDP model and every destroy. `before_process_group`
-  imports it first (`toolkit.run.start_run` calls it), after which destroying the group and freeing the model
+  imports it first (`toolkit.run.start.start_run` calls it), after which destroying the group and freeing the model
   really ends its threads. And the DDP models' Reducers are freed before the group is destroyed (release_reducers
   says why: otherwise freeing the model joins gloo's threads holding the GIL, and a thread that needs it hangs).
-- the heartbeat thread (toolkit.distributed.PeerWatch) and its store client: stopped and joined.
-- the launcher watch (toolkit.orphans): stopped and joined.
+- the heartbeat thread (toolkit.run.distributed.PeerWatch) and its store client: stopped and joined.
+- the launcher watch (toolkit.process.orphans): stopped and joined.
 - DataLoader workers: they end with their iterators, which are gone once the recipe's main() has returned.
 
 `TrainingLoop.finish()` leaves together (a barrier: rank 0 still writing summary.json must not see its peer's
 sockets close under it), stops the heartbeat and destroys the group; `release()` runs when the recipe's main()
-returns or raises (toolkit.entry.one_line_errors) and, for whatever path skipped that, again at exit
+returns or raises (toolkit.process.entry.one_line_errors) and, for whatever path skipped that, again at exit
 (begin_process() or start_run() registers it): a script that makes its own Accelerator() ends its group without a
 line of its own.
 `TOOLKIT_EXIT_REPORT=1` makes every process print, as its last act, the threads still alive then: one line,
@@ -51,7 +51,7 @@ def before_process_group() -> None:
 def end_process_group(accelerator, together: bool = True) -> None:
     """The normal end of a run on every rank: all ranks meet (together=True; a collective), the heartbeat stops,
     the trackers end and the process group is destroyed."""
-    from toolkit.distributed import stop_watching_peers
+    from toolkit.run.distributed import stop_watching_peers
 
     if together and accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
@@ -77,12 +77,12 @@ def release(broken: bool = False) -> None:
     is then left alone (destroying a group whose peer is gone can block, with NCCL) and the process exits non-zero
     anyway. Idempotent."""
     global _broken
-    from toolkit import orphans
+    from toolkit.process import orphans
 
     _broken = _broken or broken
     # Only what this process imported can be running: a command that never imported torch (a data tool, a usage
     # error) must not pay for importing it here, at exit.
-    peers = sys.modules.get("toolkit.distributed")
+    peers = sys.modules.get("toolkit.run.distributed")
     if peers is not None:
         peers.stop_watching_peers()
     dist = sys.modules.get("torch.distributed")
@@ -148,7 +148,7 @@ def live_threads() -> list[str]:
 
 
 def not_a_worker() -> None:
-    """This process launches workers (toolkit.launch): no exit report of its own, which would read as a rank's."""
+    """This process launches workers (toolkit.tools.launch): no exit report of its own, which would read as a rank's."""
     global _launcher
     _launcher = True
 

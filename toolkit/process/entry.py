@@ -5,9 +5,10 @@
 
 UsageError -> `error: ...`, exit 2; RunFailed -> `error: ...`, exit 1; losing another rank mid-run (it died, or hung
 past --dist-timeout) -> one line naming it, exit 1; a run that checkpointed to restart under OpenMP's PASSIVE wait
-policy (load arrived, toolkit.openmp) -> the same command again, resuming it, in this process. Whatever the path,
+policy (load arrived, toolkit.process.openmp) -> the same command again, resuming it, in this process. Whatever the
+path,
 what the run left running (heartbeat, launcher watch, process group) ends here, while the interpreter is whole
-(toolkit.shutdown)."""
+(toolkit.process.shutdown)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import functools
 import os
 import sys
 
-from toolkit import openmp, shutdown
 from toolkit.console import say
 from toolkit.errors import RunFailed, UsageError
+from toolkit.process import openmp, shutdown
 
 
 def _is_the_script(main) -> bool:
     """Whether main() is the running script's own (`python recipe.py`, a launcher's worker): not one a test, a
-    notebook or `python -c` calls, which a restart of the process (toolkit.openmp) would replace."""
+    notebook or `python -c` calls, which a restart of the process (toolkit.process.openmp) would replace."""
     script, code = (sys.argv[0] if sys.argv else ""), getattr(main, "__code__", None)  # (a callable object: none)
     return (code is not None and getattr(main, "__module__", None) == "__main__" and os.path.isfile(script)
             and os.path.realpath(script) == os.path.realpath(code.co_filename))
@@ -53,7 +54,7 @@ def one_line_errors(main):
             broken = shutdown.breaks_group(error)
             if not isinstance(error, Exception):
                 raise
-            from toolkit.distributed import lost_peers_message
+            from toolkit.run.distributed import lost_peers_message
 
             message = lost_peers_message(error)
             if message is None:

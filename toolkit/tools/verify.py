@@ -1,6 +1,6 @@
 """`python -m toolkit verify RUN_DIR`: did this run finish, and is what it wrote consistent?
 
-Checks a run directory written by a recipe (toolkit/run.py, loop.py, tracking.py), e.g. after a SLURM job:
+Checks a run directory written by a recipe (toolkit/run/start.py, loop.py, tracking.py), e.g. after a SLURM job:
 
     files        config.json, summary.json parse; metrics.csv parses; curves.png is a PNG
     completion   summary epochs_completed == config epochs; with config max_steps: global_step == max_steps
@@ -31,10 +31,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
-from toolkit.tracking import CURVES_FILE, LEADING_COLUMNS, OPTIONAL_COLUMNS, TRAILING_COLUMNS
+from toolkit.run import checkpoint
+from toolkit.run.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from toolkit.run.tracking import CURVES_FILE, LEADING_COLUMNS, OPTIONAL_COLUMNS, TRAILING_COLUMNS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

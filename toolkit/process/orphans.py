@@ -68,7 +68,8 @@ def stop_when_launcher_dies(interval: float = 0.25) -> None:
 
 
 def stop_watching() -> None:
-    """End the watch (toolkit.shutdown.release, as the process ends): no thread of ours outlives the interpreter."""
+    """End the watch (toolkit.process.shutdown.release, as the process ends): no thread of ours outlives the
+    interpreter."""
     global _watch
     if _watch is not None:
         thread, stop = _watch

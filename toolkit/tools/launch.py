@@ -7,7 +7,8 @@ Takes exactly the arguments of `accelerate launch`. What it adds:
   use, and for each worker that failed (rank, local rank, pid, host, exit status or signal). The workers' own
   errors are printed by the workers; when they failed on a usage error (exit status 2; the others stopped by the
   agent) rank 0 has already said what was wrong in one line, and the launcher adds nothing and exits 2;
-- SIGTERM and SIGUSR1 forwarded to the workers, which checkpoint at their next step and exit 0 (toolkit.preemption),
+- SIGTERM and SIGUSR1 forwarded to the workers, which checkpoint at their next step and exit 0
+(toolkit.process.preemption),
   then one line and exit 0. The launcher sends the signal on to its children (torchrun's workers run in sessions of
   their own, so a signal to the launcher's process group does not reach them). For SIGTERM torchrun's agent does
   it itself once the workers run (its own handler: it waits up to 30 s for them before it kills them). A SIGUSR1
@@ -29,8 +30,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from toolkit import shutdown
     from toolkit.errors import UsageError
+    from toolkit.process import shutdown
 
     shutdown.not_a_worker()
     quiet_torchrun_logs()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from toolkit import checkpoint
 from toolkit.errors import TrainingStopped
+from toolkit.run import checkpoint
 
 
 def loss_problem(step_loss: float, first_loss: float | None, max_loss_ratio: float, step: int) -> str | None:

@@ -23,10 +23,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit import extras
-from toolkit.config import RESUMABLE_CHANGES
 from toolkit.errors import UsageError
-from toolkit.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
+from toolkit.process import extras
+from toolkit.run.config import RESUMABLE_CHANGES
+from toolkit.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
 
 PICTURE = "compare.png"
 # Flags that never change what a step computes (those a resume may change), plus the seed: runs that differ only in

@@ -48,10 +48,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit import shutdown
 from toolkit.console import write_line
-from toolkit.devices import runs_on_cpu
 from toolkit.errors import UsageError
+from toolkit.process import shutdown
+from toolkit.run.devices import runs_on_cpu
 
 FAULT_ENV = "TOOLKIT_DOCTOR_INJECT_FAULT"
 INJECTABLE = ("all_reduce_int", "all_reduce_float", "broadcast", "all_gather", "bandwidth")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.randomness import keyed_hash_int
+from toolkit.run.randomness import keyed_hash_int
 
 EPOCH_ORDER = 13  # purpose of keyed randomness: the order of an epoch
 
@@ -101,7 +101,7 @@ class CrossEpochBatchSampler(torch.utils.data.Sampler):
 
     def index_batches(self) -> torch.Tensor:
         """The current epoch's batches as one tensor: [batches, batch_size] item numbers, or with_epoch
-        [batches, batch_size, 2] (epoch, item) pairs. What iterating yields, at once (toolkit.device_data cuts
+        [batches, batch_size, 2] (epoch, item) pairs. What iterating yields, at once (toolkit.run.device_data cuts
         batches on the device from it)."""
         epoch, batches = self.sampler.epoch, self.batch_range(self.sampler.epoch)
         first, _ = self._cycle(epoch) if batches else (0, 0)

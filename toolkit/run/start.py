@@ -39,27 +39,17 @@ from accelerate.utils import (
     set_seed,
 )
 
-from toolkit import (
-    checkpoint,
-    compilation,
-    extras,
-    heap,
-    kernels,
-    openmp,
-    orphans,
-    precision,
-    preemption,
-    shutdown,
-    step_graph,
-)
-from toolkit.accelerator import ToolkitAccelerator
-from toolkit.config import ADDED_FLAGS_KEY, RESUMABLE_CHANGES, TrainConfig, added_flags, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
+from toolkit import kernels
 from toolkit.console import write_line
-from toolkit.devices import runs_on_cpu
-from toolkit.distributed import watch_peers
 from toolkit.errors import ONE_LINE, UsageError, same_failure
-from toolkit.rundir import CONFIG_FILE, LOG_FILE, METRICS_FILE
-from toolkit.tracking import tracker_choice, tracker_init_kwargs
+from toolkit.process import extras, heap, openmp, orphans, preemption, shutdown
+from toolkit.run import checkpoint, compilation, precision, step_graph
+from toolkit.run.accelerator import ToolkitAccelerator
+from toolkit.run.config import ADDED_FLAGS_KEY, RESUMABLE_CHANGES, TrainConfig, added_flags, changed_flags  # noqa: F401  (RESUMABLE_CHANGES: tests read it here)
+from toolkit.run.devices import runs_on_cpu
+from toolkit.run.distributed import watch_peers
+from toolkit.run.rundir import CONFIG_FILE, LOG_FILE, METRICS_FILE
+from toolkit.run.tracking import tracker_choice, tracker_init_kwargs
 
 # Accelerate's optimizer asks importlib whether lomo_optim is installed twice in every step() (two find_spec calls,
 # ~40 us a step: a third of the toolkit's cost on the UFS MLP's 1.3 ms step, benchmarks/overhead.py). What is
@@ -103,7 +93,7 @@ class Run:
     extra_info: dict = dataclasses.field(default_factory=dict)
     begun: bool = False
     ended: bool = False
-    whole_step_graphs: bool = False  # --cuda-graphs captures the whole step (toolkit.step_graph), not the model's
+    whole_step_graphs: bool = False  # --cuda-graphs captures the whole step (toolkit.run.step_graph), not the model's
 
     def __enter__(self) -> Run:
         return self
@@ -112,7 +102,8 @@ class Run:
         """`with start_run(cfg, recipe=...) as run:` ends the run on every path: a normal end leaves together (end);
         a failure every rank shares (bad input, an agreed stop, a pre-emption) releases what runs without waiting
         for the others. A failure that may have broken the process group (a lost peer, a bug) is left to
-        one_line_errors and the exit hook (toolkit.shutdown): they first name the lost rank from the heartbeat, which
+        one_line_errors and the exit hook (toolkit.process.shutdown): they first name the lost rank from the
+        heartbeat, which
         releasing here would stop, and never destroy a broken group."""
         try:
             if error is None:
@@ -231,7 +222,7 @@ def start_run(config: TrainConfig, recipe: str, extra_info: dict | None = None, 
     """
     orphans.stop_when_launcher_dies()  # each once per process: begin_process() may have done them already
     shutdown.release_at_exit()
-    heap.keep_between_steps()  # freed memory stays for the next step (toolkit.heap), before the data is made
+    heap.keep_between_steps()  # freed memory stays for the next step (toolkit.process.heap), before the data is made
     use_cpu = runs_on_cpu()  # also honours a CPU launch config on a GPU machine
     timeout = timedelta(seconds=config.dist_timeout)
     if config.deterministic:  # cuBLAS needs this before CUDA starts, or use_deterministic_algorithms raises

@@ -8,12 +8,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.guards import nonfinite_metric, stopped_without_saving
-from toolkit.progress import Progress
-from toolkit.rundir import METRICS_FILE
-from toolkit.tracking import LEADING_COLUMNS, MetricsFile
+from toolkit.loop.guards import nonfinite_metric, stopped_without_saving
+from toolkit.loop.progress import Progress
+from toolkit.run import checkpoint
+from toolkit.run.rundir import METRICS_FILE
+from toolkit.run.tracking import LEADING_COLUMNS, MetricsFile
 
 
 class Evaluations:

@@ -22,7 +22,7 @@ Without --cuda-graphs (and on CPU) run_step calls the function: nothing else cha
 - a replay runs the kernels the capture recorded, with the Python values the capture saw baked into them. What
   changes from step to step must therefore be a tensor: the batch, the epoch (loop.device_epoch), the random state
   (the global generator is reseeded per micro-batch and read by the graph at each replay; KeyedDropout's generators
-  are registered with the graph and reseeded before each replay, toolkit.randomness). The optimizers' Python
+  are registered with the graph and reseeded before each replay, toolkit.run.randomness). The optimizers' Python
   hyperparameters (the learning rate a scheduler sets) are watched: when one changes, the step runs uncaptured
   until they have held still for WARMUP steps, then is captured anew. A step whose batch shapes differ from the
   capture's runs uncaptured. Never captured, said in one line: a batch tensor on the host, an optimizer other than
@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from toolkit import randomness
+from toolkit.run import randomness
 
 # torch's optimizers whose step keeps no Python state that changes (Adam/AdamW: the step count is a device tensor)
 CAPTURE_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.accelerator import ToolkitAccelerator
+from toolkit.run.accelerator import ToolkitAccelerator
 
 CACHE_DIR = "compile-cache"
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -138,7 +138,8 @@ def first_step_reporter(run):
     seconds; it prints the line(s) (main process) and returns None, so the loop calls it once per life. None
     without either flag."""
     if not (run.config.compile or run.model_graphs):
-        return None  # (a whole captured step compiles nothing without --compile: toolkit.step_graph says its own line)
+        # (a whole captured step compiles nothing without --compile: toolkit.run.step_graph says its own line)
+        return None
 
     def report(seconds: float) -> None:
         if run.is_main:
@@ -174,7 +175,8 @@ class CompilingAccelerator(ToolkitAccelerator):
     def __init__(self, *args, compile_mode: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.compile_mode = compile_mode  # "reduce-overhead": --cuda-graphs capturing the model's graphs
-        self.compiles = True  # False: --cuda-graphs capturing the whole step, without --compile (toolkit.step_graph)
+        # False: --cuda-graphs capturing the whole step, without --compile (toolkit.run.step_graph)
+        self.compiles = True
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):

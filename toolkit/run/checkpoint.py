@@ -30,9 +30,9 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from toolkit.config import ADDED_FLAGS_KEY, changed_flags
 from toolkit.errors import RunFailed, UsageError
-from toolkit.rundir import RunDir
+from toolkit.run.config import ADDED_FLAGS_KEY, changed_flags
+from toolkit.run.rundir import RunDir
 
 MARKER = "COMPLETE"
 PROGRESS_FILE = "progress.json"
@@ -165,7 +165,7 @@ def read_progress(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / PROGRESS_FILE).read_text())
 
 
-# progress.json's record of the settings the life that saved it ran with (toolkit.keeper writes it): {"config": the
+# progress.json's record of the settings the life that saved it ran with (toolkit.loop.keeper writes it): {"config": the
 # flags as config.json's "config" holds them, "data": the data's fingerprint}. Covered by the manifest, unlike
 # config.json, which a user may edit between lives.
 SETTINGS = "settings"

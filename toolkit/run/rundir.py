@@ -1,10 +1,10 @@
 """The run directory's layout, named once: every module reads the names from here.
 
-    RUN_DIR/config.json         the run's settings, world size, data fingerprint (toolkit.run)
-    RUN_DIR/metrics.csv         one row per evaluation (toolkit.tracking)
+    RUN_DIR/config.json         the run's settings, world size, data fingerprint (toolkit.run.start)
+    RUN_DIR/metrics.csv         one row per evaluation (toolkit.run.tracking)
     RUN_DIR/log.csv             --log-with csv: every logged value
-    RUN_DIR/summary.json        the finished run's results (toolkit.loop)
-    RUN_DIR/checkpoints/step_N  complete checkpoints (toolkit.checkpoint), each with model.safetensors
+    RUN_DIR/summary.json        the finished run's results (toolkit.loop.training)
+    RUN_DIR/checkpoints/step_N  complete checkpoints (toolkit.run.checkpoint), each with model.safetensors
 
 A leaf module: it imports nothing of the toolkit."""
 

@@ -42,7 +42,7 @@ class Progress:
 
 def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) -> int:
     """Optimizer steps the run will take: --epochs x steps per epoch, capped by --max-steps (for LR schedules).
-    batches_per_epoch: a number, or a function of the epoch when epochs differ (toolkit.sampler)."""
+    batches_per_epoch: a number, or a function of the epoch when epochs differ (toolkit.run.sampler)."""
     if callable(batches_per_epoch):
         total = sum(math.ceil(batches_per_epoch(epoch) / config.grad_accum) for epoch in range(config.epochs))
     else:
@@ -53,7 +53,7 @@ def total_training_steps(config, batches_per_epoch: int | Callable[[int], int]) 
 def rest_of_epoch(accelerator, loader, batches_done: int):
     """The micro-batches of the current epoch after the first `batches_done` (a resume mid-epoch): with the
     sampler's epoch set, they are exactly the ones an uninterrupted run takes next."""
-    if hasattr(loader, "skip_first"):  # toolkit.device_data.DeviceBatches
+    if hasattr(loader, "skip_first"):  # toolkit.run.device_data.DeviceBatches
         return loader.skip_first(batches_done)
     return accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
 

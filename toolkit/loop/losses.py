@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.guards import loss_problem
+from toolkit.loop.guards import loss_problem
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A recipe's config dataclass subclasses `TrainConfig`, overriding defaults and adding its own fields, so every
 recipe has the same `--output-dir`, `--resume-from`, `--batch-size`, ... with the same meaning. Its named presets
-(`--preset NAME`) are parsed here too (toolkit.presets).
+(`--preset NAME`) are parsed here too (toolkit.run.presets).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Literal, TypeVar
 
 import tyro
 
-from toolkit import presets as presets_
 from toolkit.errors import UsageError
+from toolkit.run import presets as presets_
 
 
 @dataclass
@@ -88,7 +88,7 @@ class TrainConfig:
     """DataLoader worker processes per process (the evaluation loaders; the training set's too with
     --no-data-on-device)."""
     data_on_device: bool = True
-    """Keep the training set on the device and cut each batch there (toolkit.device_data): no workers, no copy per
+    """Keep the training set on the device and cut each batch there (toolkit.run.device_data): no workers, no copy per
     step, the same batches. Off, or when the set does not fit in half the device's free memory: a DataLoader."""
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = the launcher's choice (OMP_NUM_THREADS,
@@ -114,7 +114,7 @@ class TrainConfig:
     step's: a loss that explodes (e.g. --lr far too high) is not trained on. 0 = off."""
 
     # Not a flag (no annotation): True in a recipe whose step runs through loop.run_step, keyed on tensors only,
-    # which --cuda-graphs captures whole (toolkit.step_graph)
+    # which --cuda-graphs captures whole (toolkit.run.step_graph)
     captures_whole_step = False
 
 
@@ -125,7 +125,7 @@ CHECK_ARGS = "TOOLKIT_CHECK_ARGS"  # =1: parse and check the flags, then exit (0
 def parse_config(presets: type[ConfigT] | Mapping[str, tuple[str, ConfigT]], args: list[str] | None = None,
                  description: str | None = None, check: Callable[[ConfigT], None] | None = None) -> ConfigT:
     """Parse the command line; a bad flag exits 2 with ONE line naming it (tyro's box is condensed).
-    presets: the recipe's {name: (one-line description, config)} (toolkit.presets; `--preset NAME` picks one, the
+    presets: the recipe's {name: (one-line description, config)} (toolkit.run.presets; `--preset NAME` picks one, the
     first by default, and its values are the flags' defaults), or just a config dataclass.
     check(config): the recipe's own checks (raise UsageError), run here with the global batch known and before
     anything is made, so `toolkit sweep` checks every value of a grid with them before it starts a run."""

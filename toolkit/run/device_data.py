@@ -40,7 +40,7 @@ class CutOnDevice(Protocol):
 
 def index_batches(batch_sampler) -> torch.Tensor:
     """The batch sampler's current epoch as one index tensor [batches, batch, ...]."""
-    if hasattr(batch_sampler, "index_batches"):  # toolkit.sampler's samplers: no per-item Python
+    if hasattr(batch_sampler, "index_batches"):  # toolkit.run.sampler's samplers: no per-item Python
         return batch_sampler.index_batches()
     return torch.as_tensor([list(batch) for batch in batch_sampler], dtype=torch.long)
 

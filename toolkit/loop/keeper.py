@@ -3,7 +3,7 @@
 It saves the loop's position once per step (with the lengths of metrics.csv and log.csv, so a resume cuts off what a
 later life wrote, and the run's settings, so config.json can be checked against them), prunes to --keep-checkpoints
 while sparing the best step, loads the resume checkpoint into the prepared objects and the extra state, and loads the
-best weights at the end. The files themselves (atomic saves, manifests, damage checks) are toolkit.checkpoint's."""
+best weights at the end. The files themselves (atomic saves, manifests, damage checks) are toolkit.run.checkpoint's."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from toolkit import checkpoint
 from toolkit.errors import UsageError
-from toolkit.run import config_values
-from toolkit.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
-from toolkit.tracking import truncate_to_bytes
+from toolkit.run import checkpoint
+from toolkit.run.rundir import LOG_FILE, METRICS_FILE, MODEL_FILE, RunDir
+from toolkit.run.start import config_values
+from toolkit.run.tracking import truncate_to_bytes
 
 
 class CheckpointKeeper:

@@ -1,0 +1,1 @@
+"""The command-line tools behind `python -m toolkit`: doctor, verify, compare, sweep, catalog (ls), launch."""
