@@ -26,7 +26,7 @@ TINY = ["--hidden", "16", "--blocks", "1", "--maxlen", "20", "--batch-size", "64
         "--log-with", "none", "--cache-dir", str(DATA_CACHE)]
 
 
-# The machine's load as a run sees it during training (toolkit.process.openmp.LoadWatch): idle, whatever the other test
+# The machine's load as a run sees it during training (toolkit.loop.restart.LoadWatch): idle, whatever the other test
 # worker does, so that no test run restarts itself under PASSIVE unless the test asks for it (TOOLKIT_LOAD_FILE).
 IDLE_LOAD = Path(tempfile.gettempdir()) / f"toolkit-tests-idle-loadavg-{os.getpid()}"
 IDLE_LOAD.write_text("0.00 0.00 0.00 1/100 1\n")

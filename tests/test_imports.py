@@ -209,7 +209,7 @@ def test_no_module_reads_another_modules_private_names(tmp_path):
     files = sorted((ROOT / "toolkit").rglob("*.py")) + sorted((ROOT / "recipes").glob("*.py"))
     assert private_reads(files) == []
     planted = tmp_path / "planted.py"  # the check sees a private read where there is one
-    planted.write_text("from toolkit import preemption\nfrom toolkit.run.start import _shared\n"
+    planted.write_text("from toolkit.process import preemption\nfrom toolkit.run.start import _shared\n"
                        "if preemption._requested:\n    pass\n")
     assert private_reads([planted]) == ["planted.py:2: from toolkit.run.start import _shared",
                                         "planted.py:3: preemption._requested"]

@@ -52,6 +52,6 @@ def test_sigusr1_before_the_run_starts_is_kept_not_fatal():
 
     code = ("import os, signal; from toolkit.process import begin_process; begin_process(); "
             "os.kill(os.getpid(), signal.SIGUSR1); "
-            "from toolkit import preemption; preemption.install_handler(); print(preemption.requested())")
+            "from toolkit.process import preemption; preemption.install_handler(); print(preemption.requested())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr

@@ -72,7 +72,7 @@ def test_torch_imported_before_toolkit_is_said_once_with_several_threads(tmp_pat
 
     from conftest import recipe_env
 
-    late = ("import torch, toolkit, os; from toolkit import openmp; print(os.environ.get('OMP_WAIT_POLICY')); "
+    late = ("import torch, toolkit, os; from toolkit.process import openmp; print(os.environ.get('OMP_WAIT_POLICY')); "
             "print(openmp.wait_policy_line(2)); print(openmp.wait_policy_line(1))")
     for env, expected in (({"TOOLKIT_LOADAVG": BUSY}, "threads: 2; torch was imported before toolkit"),
                           ({"TOOLKIT_LOADAVG": BUSY, "OMP_WAIT_POLICY": "PASSIVE"}, "None")):
@@ -83,13 +83,12 @@ def test_torch_imported_before_toolkit_is_said_once_with_several_threads(tmp_pat
         assert two.startswith(expected) and one == "None", done.stdout
 
 
-# ---- load that arrives after an idle start: the run restarts itself under PASSIVE (toolkit.process.openmp.LoadWatch)
-# ------
+# ---- load that arrives after an idle start: the run restarts itself under PASSIVE (toolkit.loop.restart) ----------
 IDLE = "0.1 0.1 0.1 1/300"
 
 
 def test_a_load_watch_fires_after_three_busy_looks_in_a_row_at_its_cadence():
-    from toolkit.process.openmp import LoadWatch
+    from toolkit.loop.restart import LoadWatch
 
     now, machine = [0.0], [(0, 2)]
     watch = LoadWatch(every=2.0, clock=lambda: now[0], measure=lambda: machine[0])
@@ -105,7 +104,7 @@ def test_a_load_watch_fires_after_three_busy_looks_in_a_row_at_its_cadence():
 
 
 def test_the_restart_command_resumes_the_run_dir_in_place_of_the_users_flags(tmp_path):
-    from toolkit.process.openmp import restart_command
+    from toolkit.loop.restart import restart_command
 
     argv = ["python3", "-X", "dev", "recipes/sasrec.py", "--output-dir", "old", "--threads", "2",
             "--resume-from=auto", "--output_dir=x", "--lr", "0.1"]
@@ -145,7 +144,8 @@ def test_load_arriving_mid_run_restarts_it_under_passive_and_the_result_is_the_u
 
 LOAD_AND_SIGNAL = """
 import sys, toolkit, torch
-from toolkit.process import openmp, preemption
+from toolkit.process import preemption
+from toolkit.loop.restart import RestartUnderPassive
 from toolkit.run.config import TrainConfig
 from toolkit.loop.training import TrainingLoop
 from toolkit.run.start import start_run
@@ -162,7 +162,7 @@ with start_run(config, recipe="t") as run:
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     model, optimizer, loader = run.accelerator.prepare(model, optimizer, loader)
     loop = TrainingLoop(run, model, loader, evaluate=lambda: {"val": 0.0}, main_metric="val")
-    loop._load_watch = Now()
+    loop.restart_under_load.watch = Now()
     loop.start()
     try:
         for _ in loop.epochs():
@@ -172,7 +172,7 @@ with start_run(config, recipe="t") as run:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 run.accelerator.backward(loss)
                 loop.optimizer_step(optimizer, loss=loss.detach())
-    except openmp.RestartUnderPassive as restart:
+    except RestartUnderPassive as restart:
         print("RESTART", restart.step)
     except SystemExit as stop:
         print("EXIT", stop.code)

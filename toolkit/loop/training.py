@@ -30,8 +30,9 @@ from toolkit.loop.keeper import CheckpointKeeper
 from toolkit.loop.losses import StepLosses, read_and_count
 from toolkit.loop.meter import StepMeter
 from toolkit.loop.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
+from toolkit.loop.restart import RestartUnderLoad
 from toolkit.loop.summary import RunEnd
-from toolkit.process import openmp, preemption
+from toolkit.process import preemption
 from toolkit.run import compilation, randomness
 from toolkit.run.distributed import mean_over_processes
 from toolkit.run.optim import step_optimizer
@@ -76,9 +77,8 @@ class TrainingLoop(RunEnd):
         # The epoch as a tensor on the device, for what a captured step keys on it (SASRec's negatives): a Python int
         # would be baked into the graph at its capture
         self._device_epoch = torch.zeros((), dtype=torch.int64, device=self.accelerator.device)
-        # Spinning OpenMP threads (an idle start) stall when other jobs arrive: restart under PASSIVE
-        # (toolkit.process.openmp)
-        self._load_watch = openmp.load_watch(torch.get_num_threads(), self.accelerator.num_processes)
+        # Spinning OpenMP threads (an idle start) stall when other jobs arrive: the process restarts under PASSIVE
+        self.restart_under_load = RestartUnderLoad(torch.get_num_threads(), self.accelerator.num_processes)
         if plain_dropout := randomness.rank_dependent_dropout_line(model):  # nn.Dropout: one line at the start
             run.print(plain_dropout)
 
@@ -249,9 +249,11 @@ class TrainingLoop(RunEnd):
             if agreed.stop:
                 self._take_stop_request()
         # After the pre-emption and stop above (one process reads them at every step), which the restart would lose
-        if self._load_watch is not None and not self.stopped and (load := self._load_watch.arrived()):
+        if not self.stopped and (load := self.restart_under_load.arrived()):
             self._evaluate_before_leaving(end_of_epoch)
-            self._checkpoint_and_restart_under_passive(load)
+            self.save()
+            self.meter.close_bar()
+            self.restart_under_load.leave(self.run, self.progress.global_step, load)
         if self.stopped or end_of_epoch:
             return  # the epoch end / the loop's end evaluates and saves this step
         new_best = False
@@ -293,19 +295,6 @@ class TrainingLoop(RunEnd):
         self.save()
         self.meter.close_bar()
         preemption.requeue_and_exit(self.run, self.progress.global_step, self.config.max_requeues, requeue)
-
-    def _checkpoint_and_restart_under_passive(self, load: str) -> None:
-        """Load arrived while the threads spin (one process): a complete checkpoint of this step, one line, the run
-        ended as after a pre-emption, and the process restarts itself under PASSIVE (toolkit.process.openmp), resuming
-        here."""
-        step = self.progress.global_step
-        self.save()
-        self.meter.close_bar()
-        self.run.print(f"load arrived during training ({load}): OpenMP's threads spin by the idle start's choice and "
-                       f"stall under load; checkpoint of step {step} saved, restarting this process under "
-                       f"{openmp.VARIABLE}=PASSIVE to resume it (the same numbers: the wait policy changes none)")
-        self.run.end()
-        raise openmp.RestartUnderPassive(self.run.output_dir, step)
 
     def _stop_without_saving(self, what: str) -> None:
         self.meter.close_bar()

@@ -5,7 +5,7 @@
 
 UsageError -> `error: ...`, exit 2; RunFailed -> `error: ...`, exit 1; losing another rank mid-run (it died, or hung
 past --dist-timeout) -> one line naming it, exit 1; a run that checkpointed to restart under OpenMP's PASSIVE wait
-policy (load arrived, toolkit.process.openmp) -> the same command again, resuming it, in this process. Whatever the
+policy (load arrived, toolkit.loop.restart) -> the same command again, resuming it, in this process. Whatever the
 path,
 what the run left running (heartbeat, launcher watch, process group) ends here, while the interpreter is whole
 (toolkit.process.shutdown)."""
@@ -18,12 +18,13 @@ import sys
 
 from toolkit.console import say
 from toolkit.errors import RunFailed, UsageError
-from toolkit.process import openmp, shutdown
+from toolkit.loop import restart as restart_under_load
+from toolkit.process import shutdown
 
 
 def _is_the_script(main) -> bool:
     """Whether main() is the running script's own (`python recipe.py`, a launcher's worker): not one a test, a
-    notebook or `python -c` calls, which a restart of the process (toolkit.process.openmp) would replace."""
+    notebook or `python -c` calls, which a restart of the process (toolkit.loop.restart) would replace."""
     script, code = (sys.argv[0] if sys.argv else ""), getattr(main, "__code__", None)  # (a callable object: none)
     return (code is not None and getattr(main, "__module__", None) == "__main__" and os.path.isfile(script)
             and os.path.realpath(script) == os.path.realpath(code.co_filename))
@@ -35,11 +36,10 @@ def one_line_errors(main):
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "
         broken, restart = False, None
-        outer = openmp.restartable
-        openmp.restartable = _is_the_script(main)  # the script's own main(): it may restart the process
         try:
-            return main(*args, **kwargs)
-        except openmp.RestartUnderPassive as request:  # checkpointed, the run ended: restart once released (below)
+            with restart_under_load.allowed(_is_the_script(main)):  # the script's own main(): it may restart
+                return main(*args, **kwargs)
+        except restart_under_load.RestartUnderPassive as request:  # the run ended: restart once released
             restart = request
             raise
         except BrokenPipeError:  # `... | head`: the reader left; no traceback, and none at exit's flush either
@@ -62,9 +62,8 @@ def one_line_errors(main):
             say(f"{prefix}error: {message}")
             raise SystemExit(1) from None
         finally:
-            openmp.restartable = outer
             shutdown.release(broken=broken)
             if restart is not None:
-                openmp.restart_under_passive(restart)
+                restart_under_load.restart_process(restart)
 
     return wrapper

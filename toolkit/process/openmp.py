@@ -17,16 +17,9 @@ runtime reads the variables once, when it is loaded, hence before torch is impor
 first). A value the user exported (either variable) is kept.
 TOOLKIT_LOADAVG stands in for /proc/loadavg's text (tests), e.g. "3.1 2.0 1.5 4/300".
 
-Load that arrives after the start (issue 26, item 1): the bounded spin still ran the UFS MLP's 2-thread step 1.9x
-slower than PASSIVE with one other busy process on 2 cores, and libgomp cannot be told later. So a single-process
-run whose threads spin by the toolkit's choice looks at the machine every few seconds during training (LoadWatch):
-when other processes have held at least half the CPUs at three looks in a row, the loop checkpoints that step, says
-so in one line, and the process restarts itself (exec, the same PID, so a launcher or SLURM sees the one process)
-under OMP_WAIT_POLICY=PASSIVE with `--resume-from auto` in its run directory. The wait policy changes no number and
-resume is exact, so the run's results are those of an uninterrupted run. Changing the thread count instead (the
-issue's third candidate) would change them: torch's reductions split by thread count. One way only: a run that
-restarted stays PASSIVE. TOOLKIT_LOAD_FILE names a file that stands in for /proc/loadavg during training (tests);
-TOOLKIT_LOAD_CHECK_SEC sets how often it is read (default 2 s).
+Load that arrives after the start: the bounded spin still ran the UFS MLP's 2-thread step 1.9x slower than PASSIVE
+with one other busy process on 2 cores, and libgomp cannot be told later; toolkit.loop.restart restarts such a run
+under PASSIVE (`spinning()` says whether this process spins by the toolkit's choice).
 """
 
 from __future__ import annotations
@@ -34,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 VARIABLE = "OMP_WAIT_POLICY"
@@ -43,13 +35,12 @@ BOUNDED_SPIN = "1000"  # iterations a waiting thread spins before it sleeps (ben
 _reason: str | None = None  # why this process chose PASSIVE (None: it chose nothing)
 _too_late = False  # torch was imported before begin_process(): the policy could not be chosen
 _looked = False  # prefer_passive_wait() ran in this process (begin_process())
-_spinning = False  # this process chose the bounded spin (an idle start): LoadWatch may restart it under PASSIVE
-RESTARTED = "TOOLKIT_RESTARTED_UNDER_LOAD"  # set on the restarted process: the step it restarted at
+_spinning = False  # this process chose the bounded spin (an idle start): toolkit.loop.restart may restart it
+RESTARTED = "TOOLKIT_RESTARTED_UNDER_LOAD"  # set on the restarted process (toolkit.loop.restart): the step
 _restarted_at: str | None = None
-restartable = False  # set by one_line_errors while a script's own main() runs (never a test's or a sweep's caller)
 
 
-def _loadavg(stand_in: str | None) -> tuple[float, int, int]:
+def loadavg(stand_in: str | None) -> tuple[float, int, int]:
     """(1-minute load average, threads runnable now on the machine, usable CPUs), from /proc/loadavg or its
     stand-in's text."""
     fields = (stand_in or Path("/proc/loadavg").read_text()).split()
@@ -57,7 +48,7 @@ def _loadavg(stand_in: str | None) -> tuple[float, int, int]:
     return float(fields[0]), int(fields[3].split("/")[0]), cpus
 
 
-def _busy(others: float, cpus: int) -> bool:
+def busy(others: float, cpus: int) -> bool:
     """Other work holds at least half the usable CPUs (at least one)."""
     return others >= max(1.0, cpus / 2)
 
@@ -74,11 +65,11 @@ def prefer_passive_wait() -> None:
         _too_late = True
         return
     try:
-        load, running, cpus = _loadavg(os.environ.get("TOOLKIT_LOADAVG"))
+        load, running, cpus = loadavg(os.environ.get("TOOLKIT_LOADAVG"))
     except (OSError, ValueError, IndexError):
         return  # no /proc/loadavg (not Linux): libgomp's default
     running -= 1  # this process (one thread yet)
-    if math.isfinite(load) and _busy(load, cpus) and _busy(running, cpus):
+    if math.isfinite(load) and busy(load, cpus) and busy(running, cpus):
         os.environ[VARIABLE] = "PASSIVE"
         _reason = f"load average {load:.1f} and {running} other running process(es) on {cpus} CPUs at the start"
     else:
@@ -103,91 +94,7 @@ def wait_policy_line(threads: int) -> str | None:
             f"OpenMP's spin-wait would stall every parallel region); export {VARIABLE} to choose yourself")
 
 
-# ---- load that arrives after the start ---------------------------------------------------------------------------
-def others_running() -> tuple[int, int]:
-    """(threads runnable now that are not this process's, usable CPUs): /proc/loadavg's runnable count (every
-    thread on the machine) less this process's own runnable threads (its spinning OpenMP workers among them)."""
-    stand_in = os.environ.get("TOOLKIT_LOAD_FILE")
-    _, running, cpus = _loadavg(Path(stand_in).read_text() if stand_in else None)
-    mine = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        mine += stat[stat.rindex(")") + 2] == "R"  # the state follows the command name, which may hold spaces
-    return max(0, running - mine), cpus
-
-
-class LoadWatch:
-    """Looks at the machine every `every` seconds (called at each optimizer step, so a look costs nothing between):
-    `arrived()` gives the reason once other processes held at least half the CPUs at `looks` looks in a row."""
-
-    def __init__(self, every: float, looks: int = 3, clock=time.monotonic, measure=others_running):
-        self.every, self.looks, self.clock, self.measure = every, looks, clock, measure
-        self.next_look = clock() + every
-        self.seen: list[int] = []
-
-    def arrived(self) -> str | None:
-        now = self.clock()
-        if now < self.next_look:
-            return None
-        self.next_look = now + self.every
-        try:
-            others, cpus = self.measure()
-        except (OSError, ValueError, IndexError):
-            return None  # nothing to read (not Linux): keep going as started
-        self.seen = [*self.seen, others][-self.looks:] if _busy(others, cpus) else []
-        if len(self.seen) < self.looks:
-            return None
-        return (f"{min(self.seen)}-{max(self.seen)} other running thread(s) on {cpus} CPUs at {self.looks} looks "
-                f"{self.every:g} s apart")
-
-
-def load_watch(threads: int, processes: int) -> LoadWatch | None:
-    """A LoadWatch for a run whose OpenMP threads spin by the toolkit's choice (an idle start, the user's environment
-    silent), with several threads in one process, in a script whose main() one_line_errors wraps (it restarts the
-    process; a main() called from other code, a test's, is never restarted); else None. Several processes: a rank
-    cannot restart alone."""
-    if not (_spinning and restartable) or threads <= 1 or processes != 1:
-        return None
-    return LoadWatch(float(os.environ.get("TOOLKIT_LOAD_CHECK_SEC", "2")))
-
-
-class RestartUnderPassive(SystemExit):
-    """Raised by the training loop once the step is checkpointed and the run ended: main() unwinds as after a
-    pre-emption (exit status 0 on the way), then one_line_errors restarts the process (restart_under_passive)."""
-
-    def __init__(self, run_dir: Path, step: int):
-        super().__init__(0)
-        self.run_dir, self.step = Path(run_dir), step
-
-
-def restart_command(argv: list[str], run_dir: Path) -> list[str]:
-    """This process's command line (sys.orig_argv: the interpreter's own options too) with --output-dir the run's
-    directory and --resume-from auto in place of any the user gave."""
-    replaced = ("--output-dir", "--output_dir", "--resume-from", "--resume_from")
-    kept, skip = [], False
-    for arg in argv[1:]:
-        if skip:
-            skip = False
-        elif arg in replaced:
-            skip = True
-        elif not arg.startswith(tuple(f"{flag}=" for flag in replaced)):
-            kept.append(arg)
-    return [sys.executable, *kept, "--output-dir", str(Path(run_dir).resolve()), "--resume-from", "auto"]
-
-
-def restart_under_passive(restart: RestartUnderPassive) -> None:
-    """Replace this process by the same command under PASSIVE, resuming its run (does not return)."""
-    env = {key: value for key, value in os.environ.items() if key != SPIN}
-    env[VARIABLE] = "PASSIVE"
-    env[RESTARTED] = str(restart.step)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, restart_command(sys.orig_argv, restart.run_dir), env)
-    except OSError as error:  # the checkpoint is complete: the user resumes by hand
-        print(f"error: could not restart this process ({error}); the checkpoint of step {restart.step} is complete: "
-              f"resume with --output-dir {restart.run_dir} --resume-from auto", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+def spinning() -> bool:
+    """This process chose the bounded spin (an idle start, the user's environment silent): load that arrives later
+    may stall its threads, which toolkit.loop.restart watches for."""
+    return _spinning
