@@ -5,7 +5,7 @@ written and the converted model each run one example batch forward and backward,
     python benchmarks/kernel_proof.py --threads 2
 
 Each proof is made on a fresh model built as its recipe builds it, with an example of 2 samples as its recipe's
-(HRM: two puzzles, one ACT segment; SASRec: two users' sequences at maxlen and their scores; DCRNN: two windows with
+(HRM: one puzzle, one ACT segment; SASRec: two users' sequences at maxlen and their scores; DCRNN: two windows with
 teacher values and coins). Prints seconds per proof and the CPU's kind.
 """
 
@@ -38,9 +38,9 @@ def hrm_case(hidden: int, heads: int, layers: int, cycles: int, halting: int):
                    l_layers=layers, h_cycles=cycles, l_cycles=cycles, halt_max_steps=halting, exploration_prob=0.1)
 
     generator = torch.Generator().manual_seed(1)
-    labels = torch.randint(2, 11, (2, 81), generator=generator)
-    batch = {"inputs": torch.where(torch.rand(2, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
-             "puzzle_ids": torch.zeros(2, dtype=torch.long), "ids": torch.arange(2)}
+    labels = torch.randint(2, 11, (1, 81), generator=generator)
+    batch = {"inputs": torch.where(torch.rand(1, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
+             "puzzle_ids": torch.zeros(1, dtype=torch.long), "ids": torch.arange(1)}
     return build, lambda m: m(m.initial_carry(batch), batch, (0, 0, 0))
 
 
@@ -72,7 +72,7 @@ def dcrnn_case(sensors: int, units: int, kernel: str):
                      sequence_kernel=kernel)
 
     generator = torch.Generator().manual_seed(1)
-    x, truth = torch.randn(2, 12, sensors, 2, generator=generator), torch.randn(2, 12, sensors, 1, generator=generator)
+    x, truth = torch.randn(2, 12, sensors, 2, generator=generator), torch.randn(2, 12, sensors, generator=generator)
     coins = torch.tensor([[True, False] * 6, [False, True] * 6])
     return build, lambda m: m(x, truth, coins)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolkit.errors import UsageError
 
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 @dataclass

@@ -40,7 +40,7 @@ from toolkit.run.rundir import RunDir
 
 MANIFEST = "sweep.json"
 SET_BY_THE_SWEEP = {"output-dir", "resume-from", "run-name"}  # each run's own; a grid or `--` cannot set them
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (toolkit/tools/sweep.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
