@@ -5,7 +5,7 @@ written and the converted model each run one example batch forward and backward,
     python benchmarks/kernel_proof.py --threads 2
 
 Each proof is made on a fresh model built as its recipe builds it, with an example of 2 samples as its recipe's
-(HRM: one puzzle, one ACT segment; SASRec: two users' sequences at maxlen and their scores; DCRNN: two windows with
+(HRM: 16 puzzles; SASRec: two users' sequences at maxlen and their scores; DCRNN: two windows with
 teacher values and coins). Prints seconds per proof and the CPU's kind.
 """
 
@@ -38,9 +38,9 @@ def hrm_case(hidden: int, heads: int, layers: int, cycles: int, halting: int):
                    l_layers=layers, h_cycles=cycles, l_cycles=cycles, halt_max_steps=halting, exploration_prob=0.1)
 
     generator = torch.Generator().manual_seed(1)
-    labels = torch.randint(2, 11, (1, 81), generator=generator)
-    batch = {"inputs": torch.where(torch.rand(1, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
-             "puzzle_ids": torch.zeros(1, dtype=torch.long), "ids": torch.arange(1)}
+    labels = torch.randint(2, 11, (16, 81), generator=generator)
+    batch = {"inputs": torch.where(torch.rand(16, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
+             "puzzle_ids": torch.zeros(16, dtype=torch.long), "ids": torch.arange(16)}
     return build, lambda m: m(m.initial_carry(batch), batch, (0, 0, 0))
 
 

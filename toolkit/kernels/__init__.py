@@ -16,11 +16,13 @@ model's own code (`super().forward`) everywhere else:
 
 `with_kernels(model, "auto", example)` (a recipe calls it through `Run.with_kernels`, before its loop starts)
 swaps the class of each such module in place, which keeps its parameters, buffers and state_dict (a checkpoint
-cannot tell), then proves the swap: the model as written and the converted model each run `example`, one batch of a
-few samples at the model's own sizes on the run's device and under its autocast, forward and backward (a fixed
-random projection of the outputs). Every converted module's outputs, the model's outputs and every parameter's
-gradient must agree within rounding; the first that does not is one line naming the module, and the run stops with
-exit status 2 before its directory is made. `"plain"` converts nothing: the code in the model file, exactly.
+cannot tell), then proves the swap: the model as written runs `example` (one batch of a few samples at the model's
+own sizes, on the run's device and under its autocast) until each swapped class has been called once, and each of
+those calls is made again by the plain class and by the fast one, without gradient and with it (a fixed random
+cotangent). The outputs, the module's parameters' gradients and its inputs' gradients must agree within rounding;
+the first that does not is one line naming the module, and the run stops with exit status 2 before its directory is
+made. The rest of the example is not run: the proof costs a few module calls, not passes of the whole model
+(benchmarks/kernel_proof.py). `"plain"` converts nothing: the code in the model file, exactly.
 
 torchtitan's ModelConverter is the pattern (a model built plain, then converted by registered converters); the
 proof at every start is ours, because here the plain code is what a researcher edits, and an edit that the fast path
@@ -130,33 +132,95 @@ def _projection(tensor: torch.Tensor, index: int) -> torch.Tensor:
     return torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.device, torch.float32)
 
 
-class _Pass:
-    """One run of `example`: each swapped module's outputs, call by call, the model's outputs and the gradients."""
+class _Enough(Exception):
+    """Raised by the recording hook once every swapped class has been called: the rest of the example is not run."""
 
-    def __init__(self, model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], autocast):
-        self.calls: list[tuple[str, list[torch.Tensor]]] = []
-        modules = dict(model.named_modules())
-        hooks = [(modules.get(name) or model).register_forward_hook(self._hook(name)) for name in swapped]
-        devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-        try:
-            with torch.random.fork_rng(devices=devices), _announced_micro_batch(), autocast():
-                self.computed_in = _autocast_dtype()
-                torch.manual_seed(0)
-                outputs = _floats(example(model))
-                targets = [(index, t) for index, t in enumerate(outputs) if t.requires_grad]
-                if targets:
-                    loss = sum((t.float() * _projection(t, index)).sum() for index, t in targets)
-                    loss.backward()
-        finally:
-            for hook in hooks:
-                hook.remove()
-        self.outputs = [t.detach().clone() for t in outputs]
-        self.gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
-    def _hook(self, name: str):
-        def record(_module, _args, output):  # cloned now: a no-grad caller may write over its temporaries later
-            self.calls.append((name, [t.detach().clone() for t in _floats(output)]))
+def _first_calls(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], autocast) -> list[tuple]:
+    """The model as written runs `example` until each swapped class has been called once: (name, module, args,
+    kwargs) of each class's first call, its tensors cloned (a no-grad caller may write over them later)."""
+    wanted = {classes[0] for classes in swapped.values()}
+    calls, modules = [], dict(model.named_modules())
+
+    def recorder(name: str):
+        def record(module, args, kwargs):
+            if type(module) in wanted:
+                wanted.discard(type(module))
+                calls.append((name, module, *_detached((args, kwargs))))
+                if not wanted:
+                    raise _Enough
         return record
+
+    hooks = [(modules.get(name) or model).register_forward_pre_hook(recorder(name), with_kwargs=True)
+             for name in swapped]
+    try:
+        with _isolated(model, autocast), torch.no_grad():
+            example(model)
+    except _Enough:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def _detached(value: Any) -> Any:
+    """value with every tensor detached and cloned (tuples, lists and dicts rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(item) for item in value)
+    return value
+
+
+def _with_gradients(value: Any, leaves: list) -> Any:
+    """A fresh copy of value whose floating-point tensors are leaves that take a gradient (collected in `leaves`)."""
+    if isinstance(value, torch.Tensor):
+        copy = value.clone()
+        if copy.is_floating_point():
+            copy.requires_grad_(True)
+            leaves.append(copy)
+        return copy
+    if isinstance(value, dict):
+        return {key: _with_gradients(item, leaves) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_with_gradients(item, leaves) for item in value)
+    return value
+
+
+@contextlib.contextmanager
+def _isolated(model: nn.Module, autocast) -> Iterator[None]:
+    """A run of the model's code that leaves the random generators as they were, with keyed dropout's masks the
+    same in every run (micro-batch key 0, as in the loop), under the run's autocast."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), _announced_micro_batch(), autocast():
+        torch.manual_seed(0)
+        yield
+
+
+class _Call:
+    """One swapped module called on its recorded inputs as one class (plain or fast): its outputs, and with
+    `gradient` the gradients of its parameters and of its floating-point inputs under a fixed random cotangent."""
+
+    def __init__(self, model, module: nn.Module, cls: type, args, kwargs, gradient: bool, autocast):
+        module.__class__ = cls
+        leaves: list[torch.Tensor] = []
+        args, kwargs = (_with_gradients((args, kwargs), leaves) if gradient else _detached((args, kwargs)))
+        module.zero_grad(set_to_none=True)
+        with _isolated(model, autocast), torch.set_grad_enabled(gradient):
+            self.computed_in = _autocast_dtype()
+            outputs = _floats(module(*args, **kwargs))
+            targets = [(index, t) for index, t in enumerate(outputs) if t.requires_grad]
+            if gradient and targets:
+                sum((t.float() * _projection(t, index)).sum() for index, t in targets).backward()
+        self.outputs = [t.detach().clone() for t in outputs]
+        self.gradients = {f"parameter {name}": p.grad.detach().clone() for name, p in module.named_parameters()
+                          if p.grad is not None}
+        self.gradients.update({f"input {index}": leaf.grad.detach().clone() for index, leaf in enumerate(leaves)
+                               if leaf.grad is not None})
+        module.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager
@@ -199,123 +263,60 @@ def _tolerance(tensor: torch.Tensor, computed_in: torch.dtype | None = None) -> 
     return max(TOLERANCE.get(tensor.dtype, 1e-4), TOLERANCE.get(computed_in, 0.0))
 
 
-def _owner(parameter: str, swapped: dict) -> str | None:
-    """The swapped module that holds `parameter`, the outermost (an attention, not the Linear inside it that its
-    fast path computes without calling)."""
-    owners = [name for name in swapped if parameter.startswith(f"{name}.")]
-    return min(owners, key=len) if owners else None
-
-
-def _gradient_scales(plain: _Pass, swapped: dict) -> dict[str, float]:
-    """What each parameter's gradient difference is measured against: the norm of the gradients of the swapped module
-    that holds it, all together (the others': of all the model's gradients), where that is more than its own. A
-    gradient that is zero but for rounding (a key's bias, which softmax cancels: each row of the logits' gradient
-    sums to zero; a sum over equal streams) is rounding in both runs, and different rounding where a fast path
-    computes what comes before or after it in another order: of the size of the terms summed, not of its own."""
-    norms: dict[str | None, float] = {}
-    for parameter, gradient in plain.gradients.items():
-        for owner in {_owner(parameter, swapped), None}:
-            norms[owner] = math.hypot(norms.get(owner, 0.0), gradient.detach().double().norm().item())
-    return {parameter: norms[_owner(parameter, swapped)] for parameter in plain.gradients}
-
-
-def _passes(model: nn.Module, swapped: dict, example, autocast, record: bool) -> tuple[_Pass, _Pass]:
-    """`example` run by the model as written, then converted; `record`: each swapped module's outputs too."""
-    with _state_kept(model):
-        _set_classes(model, swapped, 0)
-        try:
-            plain = _Pass(model, swapped if record else {}, example, autocast)
-            model.zero_grad(set_to_none=True)
-        finally:
-            _set_classes(model, swapped, 1)
-        fast = _Pass(model, swapped if record else {}, example, autocast)
-    return plain, fast
-
-
-def _agree(plain: _Pass, fast: _Pass, swapped: dict) -> bool:
-    """The model's outputs and every parameter's gradient within rounding."""
-    if len(plain.outputs) != len(fast.outputs) or plain.gradients.keys() != fast.gradients.keys():
-        return False
-    scales = _gradient_scales(plain, swapped)
-    return (all(_difference(f, p) <= _tolerance(p, plain.computed_in)
-                for p, f in zip(plain.outputs, fast.outputs, strict=True))
-            and all(_difference(fast.gradients[name], p, scales[name]) <= _tolerance(p, plain.computed_in)
-                    for name, p in plain.gradients.items()))
-
-
 def prove(model: nn.Module, swapped: dict, example: Callable[[nn.Module], Any], *,
           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
           flag: str = "--kernels auto") -> None:
-    """Run `example` with the model as written and converted (model holds the fast classes of `swapped`); one line
-    (UsageError) at the first difference beyond rounding. The model, its gradients and the random generators are
-    left as they were. The outputs and gradients are compared first; only when they differ are both runs made again
-    recording every swapped module's outputs, to name the one that differs first."""
-    if _agree(*_passes(model, swapped, example, autocast, record=False), swapped):
-        return
-    plain, fast = _passes(model, swapped, example, autocast, record=True)
-    where = f"on {next(model.parameters()).device.type}"
-    if plain.computed_in is not None:
-        where += f" under {plain.computed_in} autocast"
+    """Prove each swapped class on its first call in `example` (model holds the fast classes of `swapped`): the
+    model as written runs the example until every swapped class has been called once, and each such call is made
+    again by the plain class and by the fast one, without gradient and with (a fixed random cotangent): outputs, the
+    module's parameters' gradients and its inputs' gradients must agree within rounding. One line (UsageError) at
+    the first that does not. The model, its gradients and the random generators are left as they were."""
+    with _state_kept(model):
+        _set_classes(model, swapped, 0)
+        try:
+            calls = _first_calls(model, swapped, example, autocast)
+            for name, module, args, kwargs in calls:
+                plain_class, fast_class = swapped[name]
+                for gradient in (False, True):
+                    plain = _Call(model, module, plain_class, args, kwargs, gradient, autocast)
+                    fast = _Call(model, module, fast_class, args, kwargs, gradient, autocast)
+                    module.__class__ = plain_class
+                    _compare(name, plain_class, fast_class, plain, fast, gradient, flag)
+        finally:
+            _set_classes(model, swapped, 1)
 
-    def tolerance(tensor: torch.Tensor) -> float:
-        return _tolerance(tensor, plain.computed_in)
 
-    def refuse(name: str, what: str, difference: float, tensor: torch.Tensor) -> None:
-        plain_class, fast_class = swapped.get(name, (None, None))
-        module = (f"{fast_class.__module__}.{fast_class.__qualname__} at {name!r}, the fast path of "
-                  f"{plain_class.__module__}.{plain_class.__qualname__}," if fast_class else f"the converted {name!r}")
-        size = "differs in shape or non-finite entries" if difference == math.inf else \
-            f"differs by {difference:.2g} (relative; rounding stays below {tolerance(tensor):g})"
-        raise UsageError(f"{flag}: {module} computes another {what} than the model's own code ({size}, "
-                         f"{tensor.dtype} {where}); the model's code was changed after its fast path was written: "
-                         "give --kernels plain to train the model as written, or update the fast path to match")
+def _compare(name: str, plain_class: type, fast_class: type, plain: _Call, fast: _Call, gradient: bool,
+             flag: str) -> None:
+    """One line (UsageError) where the fast class's call differs from the plain one's beyond rounding."""
+    def refuse(what: str, difference: float, tensor: torch.Tensor | None) -> None:
+        dtype = tensor.dtype if tensor is not None else None
+        size = "differs in shape, number or non-finite entries" if difference == math.inf else \
+            f"differs by {difference:.2g} (relative; rounding stays below {_tolerance(tensor, plain.computed_in):g})"
+        device = "" if tensor is None else f", {dtype} on {tensor.device.type}"
+        under = f" under {plain.computed_in} autocast" if plain.computed_in is not None else ""
+        raise UsageError(f"{flag}: {fast_class.__module__}.{fast_class.__qualname__} at {name!r}, the fast path of "
+                         f"{plain_class.__module__}.{plain_class.__qualname__}, computes another {what} than the "
+                         f"model's own code {'with' if gradient else 'without'} gradient ({size}{device}{under}); "
+                         "the model's code was changed after its fast path was written: give --kernels plain to "
+                         "train the model as written, or update the fast path to match")
 
-    # Call by call, in the order the written model made them, for each module called as often in both runs: a fast
-    # path that computes its parts itself (an attention's products without calling its Linear modules) leaves some
-    # of their calls out, and those parts are compared through it
-    plain_calls: dict[str, list] = {}
-    fast_calls: dict[str, list] = {}
-    for calls, runs in ((plain_calls, plain.calls), (fast_calls, fast.calls)):
-        for name, outputs in runs:
-            calls.setdefault(name, []).append(outputs)
-    seen: dict[str, int] = {}
-    for name, plain_outputs in plain.calls:
-        index = seen[name] = seen.get(name, -1) + 1
-        if len(plain_calls[name]) != len(fast_calls.get(name, ())):
-            continue
-        fast_outputs = fast_calls[name][index]
-        if len(fast_outputs) != len(plain_outputs):
-            refuse(name, "number of outputs", math.inf, plain_outputs[0] if plain_outputs else torch.empty(0))
-        for p, f in zip(plain_outputs, fast_outputs, strict=True):
-            difference = _difference(f, p)
-            if difference > tolerance(p):
-                refuse(name, "output", difference, p)
     if len(plain.outputs) != len(fast.outputs):
-        refuse(type(model).__name__, "number of outputs", math.inf, torch.empty(0))
+        refuse("number of outputs", math.inf, None)
     for p, f in zip(plain.outputs, fast.outputs, strict=True):
         difference = _difference(f, p)
-        if difference > tolerance(p):
-            refuse(type(model).__name__, "output", difference, p)
-    order = list(dict.fromkeys(name for name, _ in plain.calls))  # the swapped modules in the order they first ran
-    differing, scales = [], _gradient_scales(plain, swapped)
-    for parameter, p in plain.gradients.items():
-        f = fast.gradients.get(parameter)
-        difference = math.inf if f is None else _difference(f, p, scales[parameter])
-        if difference > tolerance(p):
-            differing.append((parameter, difference, p))
-    if set(fast.gradients) - set(plain.gradients):
-        parameter = sorted(set(fast.gradients) - set(plain.gradients))[0]
-        differing.append((parameter, math.inf, fast.gradients[parameter]))
-    if differing:
-        # A wrong backward in one module changes its parameters' gradients and those of every module before it: the
-        # culprit is the last (in forward order) swapped module whose own gradients differ.
-        owned = [(order.index(_owner(name, swapped)), name, d, t) for name, d, t in differing
-                 if _owner(name, swapped) in order]
-        if owned:
-            _, parameter, difference, tensor = max(owned, key=lambda item: item[0])
-            refuse(_owner(parameter, swapped), f"gradient of {parameter}", difference, tensor)
-        parameter, difference, tensor = differing[0]
-        refuse(type(model).__name__, f"gradient of {parameter}", difference, tensor)
+        if difference > _tolerance(p, plain.computed_in):
+            refuse("output", difference, p)
+    if plain.gradients.keys() != fast.gradients.keys():
+        refuse("set of gradients", math.inf, None)
+    # A gradient that is zero but for rounding (a key's bias, which softmax cancels) is rounding in both runs, and
+    # other rounding where the fast path sums in another order: measured against all the module's gradients
+    scale = math.sqrt(sum(g.detach().double().norm().item() ** 2 for key, g in plain.gradients.items()
+                          if key.startswith("parameter")))
+    for key, p in plain.gradients.items():
+        difference = _difference(fast.gradients[key], p, scale if key.startswith("parameter") else 0.0)
+        if difference > _tolerance(p, plain.computed_in):
+            refuse(f"gradient of its {key}", difference, p)
 
 
 def with_kernels(model: nn.Module, choice: str, example: Callable[[nn.Module], Any], *,
