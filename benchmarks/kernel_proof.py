@@ -4,9 +4,9 @@ written and the converted model each run one example batch forward and backward,
     python benchmarks/kernel_proof.py              # 1 thread, the median of 3 proofs per model
     python benchmarks/kernel_proof.py --threads 2
 
-Each proof is made on a fresh model built as its recipe builds it, with an example of 2 samples as its recipe's
-(HRM: 16 puzzles; SASRec: two users' sequences at maxlen and their scores; DCRNN: two windows with
-teacher values and coins). Prints seconds per proof and the CPU's kind.
+Each proof is made on a fresh model built as its recipe builds it, with an example as its recipe's (HRM: the
+puzzles that take every kernel, 1 at hidden 512; SASRec: two users' sequences at maxlen and their scores; DCRNN: two
+windows with teacher values and coins). Prints seconds per proof and the CPU's kind.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ def hrm_case(hidden: int, heads: int, layers: int, cycles: int, halting: int):
         return HRM(11, 81, num_puzzle_ids=1, hidden=hidden, heads=heads, expansion=4.0, h_layers=layers,
                    l_layers=layers, h_cycles=cycles, l_cycles=cycles, halt_max_steps=halting, exploration_prob=0.1)
 
+    from toolkit.kernels.hrm import rows_to_exercise
+
+    puzzles = -(-rows_to_exercise(hidden) // 82)  # as the recipe takes them (its batch being larger)
     generator = torch.Generator().manual_seed(1)
-    labels = torch.randint(2, 11, (16, 81), generator=generator)
-    batch = {"inputs": torch.where(torch.rand(16, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
-             "puzzle_ids": torch.zeros(16, dtype=torch.long), "ids": torch.arange(16)}
+    labels = torch.randint(2, 11, (puzzles, 81), generator=generator)
+    batch = {"inputs": torch.where(torch.rand(puzzles, 81, generator=generator) < 0.3, 1, labels), "labels": labels,
+             "puzzle_ids": torch.zeros(puzzles, dtype=torch.long), "ids": torch.arange(puzzles)}
     return build, lambda m: m(m.initial_carry(batch), batch, (0, 0, 0))
 
 

@@ -81,6 +81,7 @@ from toolkit import (
     start_run,
 )
 from toolkit.data.sudoku import VALID_DATA, Recipe, is_csv_folder, load_sudoku, split, stored_columns
+from toolkit.kernels.hrm import rows_to_exercise
 from toolkit.models.hrm import HRM, SparseSignSGD, act_losses, ratios
 from toolkit.models.hrm_reference_checkpoint import (
     load_reference_checkpoint,
@@ -434,10 +435,11 @@ def train(run: Run, cfg: HRMConfig) -> dict:
     if cfg.init_from_reference is not None and run.resume_checkpoint is None:  # (a resume loads its own weights)
         for line in load_reference_checkpoint(model, cfg.init_from_reference):
             run.print(line)
-    # --kernels auto: the CPU kernels swapped in, proven on the first block's calls for 16 validation puzzles at the
-    # model's sizes (1,312 rows: the kernels' threshold, ~1M multiply-adds, is passed wherever a training batch of 16
-    # passes it)
-    some = {k: v.to(accelerator.device) for k, v in as_tokens(next(iter(DataLoader(valid_set, batch_size=16)))).items()}
+    # --kernels auto: the CPU kernels swapped in, proven on the first block's calls for as many validation puzzles as
+    # take every kernel a block takes (1 at hidden 512, 4 at 64), or the batch's, if smaller
+    puzzles = min(cfg.batch_size // accelerator.num_processes, -(-rows_to_exercise(cfg.hidden) // (CELLS + 1)))
+    some = {k: v.to(accelerator.device) for k, v in as_tokens(next(iter(DataLoader(valid_set, batch_size=puzzles))))
+            .items()}
     model = run.with_kernels(model, lambda m: m(m.initial_carry(some), some, (cfg.seed, 0, 0)))
     optimizer = make_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                weight_decay=cfg.weight_decay)

@@ -5,7 +5,8 @@ A model file is the plain PyTorch a researcher reads and edits. Its fast paths (
 written-out backwards, chunked attention with its dropout, a fused sequence kernel) live in a kernels module that
 the model file names in one line, `FAST_PATHS = "toolkit.kernels.hrm"`. There each fast path is a subclass of the
 plain module it replaces, registered with `replaces`, whose forward takes the fast path where it applies and the
-model's own code (`super().forward`) everywhere else:
+model's own code (`super().forward`) everywhere else (a class whose path never applies to a module, as DCRNN's fused
+kernel on a CPU by default, says so with `applies(module)` and is not swapped in):
 
     @replaces(hrm.Attention)
     class Attention(hrm.Attention):
@@ -82,7 +83,9 @@ def convert(model: nn.Module) -> dict[str, tuple[type[nn.Module], type[nn.Module
     swapped = {}
     for name, module in model.named_modules():
         fast = REPLACEMENTS.get(type(module))
-        if fast is not None:
+        # A fast class may say where it applies (`applies(module)`, e.g. DCRNN's fused kernel: on CUDA or when asked
+        # for): elsewhere the module stays as written, and there is nothing to prove
+        if fast is not None and getattr(fast, "applies", lambda _: True)(module):
             swapped[name or type(model).__name__] = (type(module), fast)
             module.__class__ = fast
     return swapped
@@ -114,16 +117,20 @@ def _floats(value: Any) -> list[torch.Tensor]:
 
 
 def _difference(fast: torch.Tensor, plain: torch.Tensor, scale: float = 0.0) -> float:
-    """|fast - plain| / max(|plain|, scale) (Frobenius norms, in float64); inf when shapes or non-finite entries
-    differ."""
+    """|fast - plain| / max(|plain|, scale) (Frobenius norms, summed in float64); inf when shapes or non-finite
+    entries differ."""
     if fast.shape != plain.shape:
         return math.inf
-    fast, plain = fast.detach().double(), plain.detach().double()
+    fast, plain = fast.detach(), plain.detach()
     finite = torch.isfinite(plain)
-    if not torch.equal(finite, torch.isfinite(fast)) or not torch.equal(fast[~finite], plain[~finite]):
-        return math.inf  # (nan != nan: a nan in both places is a difference too, and then the model's own problem)
-    scale = max(plain[finite].norm().item(), scale)
-    return (fast[finite] - plain[finite]).norm().item() / max(scale, 1e-30)
+    if not bool(finite.all()):  # the rare case: compare the non-finite entries, then the rest
+        if not torch.equal(finite, torch.isfinite(fast)) or not torch.equal(fast[~finite], plain[~finite]):
+            return math.inf  # (nan != nan: a nan in both places is a difference too, the model's own problem)
+        fast, plain = fast[finite], plain[finite]
+    elif not bool(torch.isfinite(fast).all()):
+        return math.inf
+    norm = max(torch.linalg.vector_norm(plain, dtype=torch.float64).item(), scale)
+    return torch.linalg.vector_norm(fast - plain, dtype=torch.float64).item() / max(norm, 1e-30)
 
 
 def _projection(tensor: torch.Tensor, index: int) -> torch.Tensor:

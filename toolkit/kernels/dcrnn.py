@@ -680,6 +680,11 @@ class DCRNN(dcrnn.DCRNN):
     or "auto" on CUDA); the model file's cells elsewhere, and always when traced by torch.compile (the fused kernel's
     buffers and hand-written backward do not trace)."""
 
+    def applies(self) -> bool:
+        """Swapped in (toolkit.kernels.convert, on the module as written) only where the fused kernel runs: elsewhere
+        the model's cells run as they are, with nothing to prove."""
+        return DCRNN.kernel_for(self, next(self.parameters()).device) == "fused"
+
     def kernel_for(self, device: torch.device | str) -> str:
         """"fused" or "cells": the sequence kernel a forward on `device` takes (outside torch.compile)."""
         if self.sequence_kernel != "auto":

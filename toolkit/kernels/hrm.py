@@ -25,6 +25,12 @@ from toolkit.models.hrm import rotate_in_place, swap_halves
 ONEDNN_MIN_MACS = 1 << 20  # below ~1M multiply-adds oneDNN's fixed cost (~10 us a call) outweighs its speed
 
 
+def rows_to_exercise(hidden: int) -> int:
+    """Rows [n, hidden] from which every product of a block of this width passes ONEDNN_MIN_MACS (the smallest is the
+    attention's output projection, hidden x hidden): an example this large takes every CPU kernel a block takes."""
+    return -(-ONEDNN_MIN_MACS // (hidden * hidden))
+
+
 def by_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether HRM's products of x [rows, in] by weight go to toolkit.kernels.onednn (`eligible`, from ~1M
     multiply-adds)."""
