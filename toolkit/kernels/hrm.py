@@ -155,7 +155,7 @@ class OneDNNSwiGLU(torch.autograd.Function):
     """down(silu(gate) up) with [gate, up] = x @ gate_up.T, its products by toolkit.kernels.onednn (oneDNN, or MKL),
     computed transposed: gate_up.T = gate_up @ x.T, [2 x width, rows], so that gate and up are contiguous blocks, not
     the strided halves of each row (silu and its backward ran ~2x slower over those: 1.6 against 0.64 ms at cpu-small,
-    AVX2 caps; issue 27). The backward is written over the forward's own temporaries: the gate_up product takes its own
+    AVX2 caps). The backward is written over the forward's own temporaries: the gate_up product takes its own
     gradient (up's, then gate's, through silu's backward of the product's place), where autograd made four new tensors
     of that size (two products, silu's backward and chunk's cat). Each product's elements are the same dot products,
     transposed: the same values as autograd through the parts, bit for bit (tested). Its saved tensors are spent: one

@@ -2,7 +2,7 @@
 
 torch's float32 `F.linear` / `mm` on the CPU calls MKL's GEMM, which takes its AVX-512 kernels on Intel's CPUs alone:
 on the AMD EPYC these recipes were first measured on it runs AVX2 kernels, and at SASRec's and HRM's sizes oneDNN's
-inner product (AVX-512 there) is 1.8-2.6x faster, forward and backward (benchmarks/README.md, issues 23 and 27). On
+inner product (AVX-512 there) is 1.8-2.6x faster, forward and backward (benchmarks/README.md). On
 an Intel CPU with AVX-512 MKL's GEMM is the faster: as fast forward, 1.4-2x faster for weight gradients, which it
 reads transposed in place where oneDNN copies them (`products_by`). oneDNN's op is torch's own,
 `torch.ops.mkldnn._linear_pointwise` (the one inductor's CPU linear fusions call): private, so its presence is
@@ -72,7 +72,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def weight_gradient(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """g.T @ x for 2-D x [rows, in] and g [rows, out], each machine's faster way round (issue 27; benchmarks/products.py
+    """g.T @ x for 2-D x [rows, in] and g [rows, out], each machine's faster way round (benchmarks/products.py
     times them):
     - MKL's products (`products_by` "mkl": Intel, AVX-512): mm(g.T, x), which reads g transposed in place; the one
       way round whose values do not depend on g's layout there (x.T @ g differs in the last bits at 1 thread).

@@ -1,5 +1,5 @@
 """--cuda-graphs for a whole training step: forward, backward and optimizer captured once as one CUDA graph and
-replayed, so a step costs a few launches of the host instead of hundreds (issue 23: on a GPU the device waited on
+replayed, so a step costs a few launches of the host instead of hundreds (on a GPU the device waited on
 the host at these model sizes).
 
 A recipe gives its step as a function of the batch and the loop runs it (UFS, SASRec, DCRNN; e.g. recipes/sasrec.py):
