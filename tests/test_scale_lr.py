@@ -87,4 +87,6 @@ def test_a_run_made_before_the_flag_resumes_as_none():
     old = {"preset": "small", "lr": 1e-3, "batch_size": 64}
     assert changed_flags(old, {**old, "scale_lr": "none"}) == []
     assert changed_flags(old, {**old, "scale_lr": "linear"}) == ["--scale-lr 'none' -> 'linear'"]
-    assert changed_flags(old, {**old, "sequence_kernel": "auto"}) == ["--sequence-kernel 'cells' -> 'auto'"]
+    # a recipe's own added flag (DCRNN's, on its config class): compared with the value its runs had
+    assert changed_flags(old, {**old, "sequence_kernel": "auto"}, {"sequence_kernel": "cells"}) == [
+        "--sequence-kernel 'cells' -> 'auto'"]
