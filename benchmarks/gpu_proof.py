@@ -24,8 +24,8 @@ it. The report is rewritten after every check, so a run cut short still leaves w
 8. cpu-scaling: the machine's CPU for the seeds' claims, UFS MLP and DCRNN: 1, 2, 4, 8 gloo processes of 1 thread
    (the same global batch), and 1 process x 1, 4, 16 threads.
 
-Checks that would start after --budget-min are skipped (the GPU machine is lent for minutes). On the device machine,
-carry the MovieLens cache (`.cache/test-data`, which `make test` fills) for SASRec: that machine has no network.
+Checks that would start after --budget-min minutes are skipped and listed as skipped in the report. On a machine
+without network access, bring the MovieLens cache (`.cache/test-data`, which `make test` fills) for SASRec.
 Every run goes through `accelerate launch`, as a user's does; the runs are kept under --workdir.
 """
 
