@@ -145,7 +145,7 @@ def main() -> None:
     one, threads, two = (statistics.median(results[label]) for label, _, _ in configs[:3])
     print(f"  1 x 2 threads / 1 x 1 = {threads / one:.2f}x; 2 processes / 1 process = {two / one:.2f}x")
     if "1 GPU" not in results:
-        print("  1 GPU: not measured: no GPU lent (CUDA is not available on this machine)")
+        print("  1 GPU: not measured (CUDA is not available on this machine)")
 
 
 if __name__ == "__main__":

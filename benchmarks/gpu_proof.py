@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the recipes of the precision and throughput sections ({', '.join(RECIPES)})")
     parser.add_argument("--hrm-steps", type=int, default=None, metavar="N",
                         help="steps of the hrm-sudoku-1k check (default: the profile's; 2,000 take ~45 min on an H100 "
-                             "today, so a lease wants a few hundred)")
+                             "today, so a GPU check wants a few hundred)")
     parser.add_argument("--precisions", nargs="+", choices=[*PRECISIONS, *EXTRA_PRECISIONS], default=list(PRECISIONS),
                         metavar="PRECISION", help=f"the precisions of the precision section ({', '.join(PRECISIONS)})")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
