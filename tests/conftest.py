@@ -278,6 +278,15 @@ def cluster(action: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", script, action], capture_output=True, text=True, timeout=900)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process pid has a handler for signum: the kernel's caught-signals mask (/proc/PID/status, SigCgt).
+    Polled before a signal meant for start-up, since a loaded machine can take any time to get there."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
