@@ -8,7 +8,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: install cpp-tools run test smoke lint format bench mutations faults clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml setup.py accelerate_recipes_launcher.pth
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU build where no GPU is present (see README, "Install")
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)

@@ -635,25 +635,13 @@ def judge_signal(trial: Trial, life: Life, run: Path) -> tuple[list[str], str]:
         problems.append(f"it said step {stopped} was saved, but checkpoints/step_{stopped} is not complete")
     if kind in ("step", "save") and not value < stopped <= value + 2:
         problems.append(f"signalled after step {value}, it checkpointed at step {stopped} (the next step: {value + 1})")
-    if life.rc != 0 and not (plain_accelerate_sigterm(trial) and life.rc == 1):
+    if trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "TERM":
+        # torchrun's agent raises the signal again once the workers saved: the launcher's one line, exit 1
+        if life.rc != 1 or "accelerate launch: stopped by SIGTERM" not in life.output:
+            problems.append(f"plain accelerate launch ended SIGTERM with exit {life.rc} and without its one line")
+    elif life.rc != 0:
         problems.append(f"exit status {life.rc} after a checkpointed pre-emption, not 0")
     return problems, f"exit {life.rc}, saved step {stopped}"
-
-
-def plain_accelerate_sigterm(trial: Trial) -> bool:
-    """SIGTERM to plain `accelerate launch`: the workers checkpoint, then torchrun's agent raises the signal again
-    and accelerate's launcher ends with torch's SignalException traceback and exit status 1 (README, its launcher's
-    own code); `python -m toolkit launch` ends the same stop in one line, exit 0."""
-    return trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "TERM"
-
-
-def unexpected_traceback(trial: Trial, output: str) -> str | None:
-    """The last exception of a traceback in the output, unless it is the one the README documents."""
-    where = traceback_in(output)
-    if where is None or not plain_accelerate_sigterm(trial):
-        return where
-    raised = [line for line in output.splitlines() if re.match(r"^\w[\w.]*(Error|Exception|Interrupt)\b", line)]
-    return None if raised and all("SignalException" in line for line in raised) else where
 
 
 # ---- the campaigns ---------------------------------------------------------------------------------------------
@@ -799,9 +787,7 @@ class Campaigns:
         if trial.campaign == "signal":
             problems, outcome.note = judge_signal(trial, life, run)
             outcome.problems.extend(problems)
-            if plain_accelerate_sigterm(trial) and traceback_in(life.output):
-                outcome.note += " (the launcher's SignalException traceback, as the README says)"
-            if (where := unexpected_traceback(trial, life.output)) is not None:
+            if (where := traceback_in(life.output)) is not None:
                 outcome.problems.append(
                     f"traceback after SIG{trial.sig} to the {trial.target} (exit {life.rc}): {where}"
                 )

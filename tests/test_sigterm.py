@@ -103,6 +103,29 @@ def test_the_toolkit_launcher_forwards_the_signal_and_the_workers_checkpoint(sig
         assert final_weights_equal(two_process_straight, out) and verify_run(out) == []
 
 
+def test_plain_accelerate_launch_ends_sigterm_in_one_line_and_the_run_resumes_exactly(tmp_path, two_process_straight):
+    """torchrun's agent inside `accelerate launch` sends SIGTERM on to the workers, waits for their checkpoint, then
+    raises the signal again: the launcher's last line is one line (toolkit.process.launcher_exit, installed by the
+    project's .pth), not torch's traceback, and the resumed run ends as the uninterrupted one."""
+    out = tmp_path / "run"
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    launcher = subprocess.Popen([accelerate, "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
+                                 "--main_process_port", "0", SASREC, *ARGS, "--output-dir", str(out)], cwd=ROOT,
+                                env=recipe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, launcher, 3)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=300)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert launcher.returncode == 1  # the launcher itself was stopped
+    assert stderr.strip().splitlines()[-1] == ("accelerate launch: stopped by SIGTERM, sent on to the workers: they "
+                                               "checkpoint at their next step (continue with --resume-from auto)")
+    assert ranks_seen(stdout + stderr) == {(0, 2), (1, 2)}
+    step = int(re.search(r"stopped by SIGTERM at step (\d+): checkpoint saved", stdout).group(1))
+    assert (out / "checkpoints" / f"step_{step}" / "COMPLETE").exists()
+    run_recipe([*ARGS, "--output-dir", str(out), "--resume-from", "auto"], config="cpu_2proc.yaml")
+    assert final_weights_equal(two_process_straight, out) and verify_run(out) == []
+
+
 def test_sigterm_during_start_up_stops_in_one_line_and_leaves_nothing(tmp_path, movielens_cache):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, SASREC, *TINY, "--max-steps", "20", "--output-dir", str(out)], cwd=ROOT,
