@@ -19,7 +19,8 @@ from toolkit.errors import UsageError
 from toolkit.run import checkpoint
 from toolkit.tools.verify import verify_run
 
-pytestmark = pytest.mark.slow
+# one worker for the module: its module-scoped runs are made once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("checkpoint-integrity")]
 
 # Two checkpoints (step_2 and step_4) per run: the newest is damaged, the older one is where `auto` falls back to.
 TWO_CHECKPOINTS = ["--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--log-with", "none"]

@@ -21,7 +21,8 @@ from conftest import (
 from toolkit.data.sudoku import generate_puzzle
 from toolkit.tools.verify import verify_run
 
-pytestmark = pytest.mark.slow
+# one worker for the module: its module-scoped runs are made once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hrm-recipe")]
 
 # 48 training puzzles (3 batches of 16 an epoch), a 16-wide model, 2 segments at most: seconds per run.
 TINY_HRM = ["--cache-dir", str(DATA_CACHE), "--train-puzzles", "48", "--aug", "1", "--val-puzzles", "16",

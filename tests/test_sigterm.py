@@ -16,7 +16,8 @@ from conftest import CONFIGS, ROOT, TINY, catches, logged_steps, ranks_seen, rec
 
 from toolkit.tools.verify import verify_run
 
-pytestmark = pytest.mark.slow
+# one worker for the module: its module-scoped runs are made once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sigterm")]
 
 ARGS = [*TINY, "--epochs", "10", "--max-steps", "40", "--log-with", "csv", "--log-every", "1"]
 SASREC = str(ROOT / "recipes" / "sasrec.py")

@@ -64,6 +64,7 @@ def swept(tmp_path_factory):
     return out, killed_at, again
 
 
+@pytest.mark.xdist_group("sweep-grid")  # the grid fixture made once, on one worker
 def test_a_killed_sweep_run_again_skips_finished_runs_and_resumes_the_killed_one(swept):
     out, killed_at, again = swept
     manifest = json.loads((out / "sweep.json").read_text())
@@ -86,6 +87,7 @@ def test_a_killed_sweep_run_again_skips_finished_runs_and_resumes_the_killed_one
     assert steps == [str(s) for s in range(1, STEPS + 1)] and killed_at < STEPS
 
 
+@pytest.mark.xdist_group("sweep-grid")  # the grid fixture made once, on one worker
 def test_compare_prints_one_row_per_group_with_mean_and_std_and_draws_the_curves(swept, tmp_path):
     out, _, _ = swept
     other = tmp_path / "other-recipe"  # a run of another recipe is named, not compared
@@ -141,6 +143,7 @@ def test_bad_sweeps_are_one_line_and_make_nothing(args, fragment, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.xdist_group("sweep-grid")  # the grid fixture made once, on one worker
 def test_a_sweep_dir_that_is_a_file_another_sweep_or_compare_of_nothing_is_one_line(swept, tmp_path):
     out, _, _ = swept
     cases = [

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from toolkit.tools.verify import verify_run
 
-pytestmark = pytest.mark.slow
+# one worker for the module: its module-scoped runs are made once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("toolkit-api")]
 
 # 409 training rows, batch 64: 6 steps per epoch. Evaluations and checkpoints every 3 steps, so step 6 is an epoch
 # end that is also an evaluation and a checkpoint step, and step 9 is an evaluation + checkpoint step mid-epoch.

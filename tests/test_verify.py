@@ -14,7 +14,8 @@ from conftest import ROOT, TINY, recipe_env, run_recipe
 
 from toolkit.tools.verify import verify_run
 
-pytestmark = pytest.mark.slow
+# one worker for the module: its module-scoped runs are made once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("verify")]
 
 
 @pytest.fixture(scope="module")
