@@ -30,14 +30,21 @@ cpp-tools:
 		echo "cmake/g++ missing and not installable here: the C++ consumer test will skip"
 
 # lint-imports: the architecture's contracts (pyproject.toml, [tool.importlinter]): the core knows no model family
+# mkdocs build --strict: the documentation site (docs/), with no broken link or anchor
 test: install cpp-tools
 	$(BIN)/lint-imports --no-cache
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # The smoke job on another torch (its own venv, .cache/smoke/venv-torch-VERSION): every recipe, a resume, 2 processes,
 # every export, --compile. TORCH_VERSION: a release (2.4.1), `oldest` (pyproject's floor) or `newest`.
 smoke: cpp-tools
 	.ci/smoke $(TORCH_VERSION)
+
+# The documentation site, into build/site: the pages in docs/, the reference generated from the code (docs/gen/cli.py)
+.PHONY: docs
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: install
 	$(BIN)/ruff check .

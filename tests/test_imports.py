@@ -99,11 +99,12 @@ def test_bad_input_exits_2_and_a_runtime_failure_exits_1_in_one_line(capfd):
 
 
 def test_what_a_run_writes_names_each_file_of_the_layout():
-    """The README's "What a run writes" names every file toolkit.run.rundir names (model.safetensors was missing)."""
+    """The docs' "What a run writes" (docs/checkpoints.md) names every file toolkit.run.rundir names (model.safetensors
+    was missing)."""
     from toolkit.run import rundir
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## What a run writes"):]
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = page[page.index("## What a run writes"):]
     section = section[:section.index("\n## ", 1)]
     names = [value for key, value in vars(rundir).items() if key.endswith(("_FILE", "_DIR")) and isinstance(value, str)]
     assert "model.safetensors" in names and [name for name in names if name not in section] == []
@@ -215,14 +216,14 @@ def test_no_module_reads_another_modules_private_names(tmp_path):
                                         "planted.py:3: preemption._requested"]
 
 
-def test_the_readme_layout_names_every_module():
+def test_the_docs_layout_names_every_module():
     import re
 
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
+    page = (ROOT / "docs" / "development.md").read_text()
+    layout = page[page.index("## Layout"):]
     missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "toolkit").rglob("*.py"))
                if path.stem != "__init__" and not re.search(rf"\b{re.escape(path.stem)}\b", layout)]
-    assert missing == [], f"name these in README.md's Layout: {missing}"
+    assert missing == [], f"name these in docs/development.md's Layout: {missing}"
 
 
 def loop_reads(paths: list) -> list[str]:
