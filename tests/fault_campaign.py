@@ -12,8 +12,8 @@ Three campaigns, each trial in a temporary directory of its own:
   launch`, 2 gloo processes) or of rank 0 / rank 1, at a random step or a random moment of the run (start-up,
   saves and the final test included);
 - signal: SIGTERM or SIGUSR1 to the process, to either launcher or to a worker. At a step the run must checkpoint
-  at the next step, say so in one line and exit 0 (README, "Pre-emption and time limits"; a plain `accelerate
-  launch` that gets SIGUSR1 dies and its workers stop without a checkpoint, as the README says); before training
+  at the next step, say so in one line and exit 0 (docs/hardware.md, "Pre-emption and requeue"; a plain `accelerate
+  launch` that gets SIGUSR1 dies and its workers stop without a checkpoint, as its signal table says); before training
   it may stop at once, in one line; a Python traceback is a failure wherever it appears;
 - disk: the run directory on a tmpfs of a few KB (root only: `mount -t tmpfs -o size=N`), which fills at some
   write: one `error: no space left ...` line, exit 1, no partial or staging file left; then the disk is enlarged.
@@ -602,12 +602,12 @@ STOP_LINE = {
 
 
 def judge_signal(trial: Trial, life: Life, run: Path) -> tuple[list[str], str]:
-    """What the README promises for the signal at that moment, against what the life did."""
+    """What the docs promise for the signal at that moment (docs/hardware.md), against what the life did."""
     problems, steps = [], RECIPES[trial.recipe].steps
     kind, value = trial.moment
     said = re.search(STOP_LINE[trial.sig], life.output)
     if trial.launcher == "accelerate" and trial.target == "launcher" and trial.sig == "USR1" and not life.ended_first:
-        # README: the launcher dies, its workers stop within a second (toolkit.process.orphans) without a checkpoint
+        # docs: the launcher dies, its workers stop within a second (toolkit.process.orphans) without a checkpoint
         if life.rc != -signal.SIGUSR1:
             problems.append(f"plain accelerate launch exited {life.rc} after SIGUSR1, not killed by it")
         return problems, f"exit {life.rc}"
@@ -792,7 +792,7 @@ class Campaigns:
                     f"traceback after SIG{trial.sig} to the {trial.target} (exit {life.rc}): {where}"
                 )
         elif trial.launcher != "accelerate" and (where := traceback_in(life.output)) is not None:
-            # plain accelerate launch follows a failed worker with torchrun's traceback (README): not counted there
+            # plain accelerate launch follows a failed worker with torchrun's traceback (docs): not counted there
             outcome.problems.append(f"traceback after the kill (exit {life.rc}): {where}")
         self.resume_and_compare(trial, run, reference, outcome)
 
