@@ -72,7 +72,7 @@ class Profile:
     recipe_flags: dict[str, list[str]]
     hrm_steps: int
     hrm_flags: list[str]
-    hrm_compile: list[str]  # sudoku-1k in bf16 + compile on a GPU (the run); uncompiled on 2 CPU cores
+    hrm_compile: list[str]  # sudoku-1k in bf16 + compile on a GPU (the paper's run); uncompiled on 2 CPU cores
     metr_la_network: tuple[int, int]  # (sensors, days) of the generated network
     metr_la_flags: list[str]
     scaling_steps: int

@@ -1,4 +1,4 @@
-"""OpenMP's wait policy under load that arrives after a run started (issue 26, item 1).
+"""OpenMP's wait policy under load that arrives after a run started.
 
     python benchmarks/wait_policy.py                      # SASRec and the UFS MLP, 2 threads, loads 0, 1, 2
     python benchmarks/wait_policy.py --recipes ufs_emulator --threads 2 --loads 0 2 --rounds 2

@@ -1,4 +1,4 @@
-"""A fifth family on the template: a small CNN classifying generated 8 x 8 digit-like images (issue 24's new user).
+"""A fifth family on the template: a small CNN classifying generated 8 x 8 digit-like images.
 
     python examples/digits_cnn.py --max-steps 60
     python -m toolkit launch --config_file accelerate_configs/cpu_2proc.yaml examples/digits_cnn.py --resume-from auto

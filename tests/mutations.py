@@ -42,7 +42,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    # ---- the four bugs the suite let through (issue 28) --------------------------------------------------------
+    # ---- four bugs the suite once let through ------------------------------------------------------------------
     Mutation("dcrnn-loss-counts-missing-readings", "recipes/dcrnn.py",
              "observed = truth > 0", "observed = truth >= 0",
              ("tests/test_objectives.py",),
@@ -69,7 +69,7 @@ MUTATIONS = [
              "accelerator.skip_first_batches(loader, batches_done + 1) if batches_done",
              ("tests/test_resume_position.py", "tests/test_exactness.py", "-k", "resume"),
              "a resumed epoch skips one batch too many"),
-    # ---- one in each mechanism the issue names ----------------------------------------------------------------
+    # ---- one in each mechanism that keeps a run exact ---------------------------------------------------------
     Mutation("checksum-compares-sizes-only", "toolkit/run/checkpoint.py",
              ' or _sha256(path) != entry.get("sha256"):', ":",
              ("tests/test_checkpoint_integrity.py",),
@@ -142,7 +142,7 @@ MUTATIONS = [
              "if max_grad_norm and accelerator.sync_gradients:", "if max_grad_norm:",
              ("tests/test_optimizer_step.py",),
              "gradients clipped inside an accumulation window too"),
-    # ---- mechanisms changed with issue 23 ----------------------------------------------------------------------
+    # ---- the step's syncs and launches ----------------------------------------------------------------------
     Mutation("checkpoint-before-reading-the-loss", "toolkit/loop/training.py",
              "        self._catch_up()\n        now = time.perf_counter()", "        now = time.perf_counter()",
              ("tests/test_toolkit_api.py", "-k", "cadence"),
@@ -160,7 +160,7 @@ MUTATIONS = [
              "which is not installed: pip install '{PACKAGE}[{extra}]'", "which is not installed",
              ("tests/test_extras.py",),
              "a missing extra does not say what to install"),
-    # ---- issue 23: data on the device, CUDA graphs -----------------------------------------------------------
+    # ---- data on the device, CUDA graphs -------------------------------------------------------------------
     Mutation("traffic-window-cut-one-step-late", "toolkit/data/traffic.py",
              "steps_out = torch.arange(INPUT_STEPS, INPUT_STEPS + OUTPUT_STEPS, device=device)",
              "steps_out = torch.arange(INPUT_STEPS + 1, INPUT_STEPS + OUTPUT_STEPS + 1, device=device)",

@@ -1,4 +1,4 @@
-"""examples/digits_cnn.py, the fifth family written on the template (issue 24's new user, a CNN on generated digits):
+"""examples/digits_cnn.py, the fifth family written on the template (a CNN on generated digits):
 it learns, resumes byte for byte and verifies, with nothing of its own beyond its data, model and metric."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HRM's evaluation against the reference's habits (issue 25.6):
+"""HRM's evaluation against the reference's habits:
 
 - --eval-full-test-every N: the whole test split every N optimizer steps, as the reference's pretrain.py at every
   evaluation; logged at its step (full_test_*), held by every metrics.csv row (full_test_step: which); the same

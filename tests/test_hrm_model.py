@@ -3,7 +3,7 @@ q_continue in training, never early in evaluation), the carry (halted rows repla
 exploration draws (hashed on the host, then per row) equal to keyed_uniform's, stablemax cross-entropy against a
 float64 reference, AdamATan2 against adam-atan2 0.0.3's kernel formula (one parameter and several), the sparse
 SignSGD on the batch's rows (its leaf made once and cleared by zero_grad), and that update in a real 2-process gloo
-run equal to one process with the same global batch. The CPU-time paths (issue 27): the target-Q segment's first
+run equal to one process with the same global batch. The CPU-time paths: the target-Q segment's first
 position equal to the whole segment's, a block without gradient equal bit for bit to the one with it, RMSNorm's
 written-out gradient, and the oneDNN products and Functions (equal bit for bit to autograd through their parts)."""
 

@@ -1,4 +1,4 @@
-"""Each recipe's training objective against a hand computation (issue 28).
+"""Each recipe's training objective against a hand computation.
 
 On a small batch of known values, with missing readings (DCRNN), padding positions (SASRec), ignored cells and
 blanks (HRM) and land / low-latitude cells (UFS), the loss each recipe backpropagates equals a formula written out

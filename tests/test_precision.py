@@ -86,7 +86,7 @@ def test_cpu_kind_says_when_the_kernels_are_capped_to_emulate_an_older_cpu(monke
 
 
 def test_every_benchmark_prints_the_cpus_kind():
-    """A figure without the machine's kind is read as if every machine were equal (issue 27): each benchmark script
+    """A figure without the machine's kind is read as if every machine were equal: each benchmark script
     (and the side-by-side report the reference scripts share) prints toolkit.run.precision.cpu_kind."""
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     scripts = [p for p in [*root.glob("*.py"), *root.glob("references/*.py")] if "__main__" in p.read_text()]

@@ -1,5 +1,5 @@
 """`--resume-from auto` without --output-dir picks the newest run with the same settings; when the newest run has
-other settings, one line names the flags that differ (friction 8: it started afresh without a word)."""
+other settings, one line names the flags that differ (it once started afresh without a word)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where a resumed epoch starts, checked in-process in well under a second (issue 28, item 4).
+"""Where a resumed epoch starts, checked in-process in well under a second.
 
 A wrong resume position used to be found only by an end-to-end run that never ended (600 s). These tests compare
 batches directly: the first life's k batches followed by the resumed life's batches are one uninterrupted epoch, for

@@ -1,4 +1,4 @@
-"""Resume refusal by rule (issue 28, item 2): every field of every recipe's config is either resumable or refused.
+"""Resume refusal by rule: every field of every recipe's config is either resumable or refused.
 
 - Every field, enumerated from the config dataclasses (not a hand list), is changed in turn against a run's
   config.json: a field outside toolkit.run.start.RESUMABLE_CHANGES is refused in one line naming its flag; one inside is

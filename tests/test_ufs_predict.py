@@ -1,4 +1,4 @@
-"""`python -m toolkit.export predict` as the run trained (issue 25, items 4 and 5): from an ocean/ice + atmosphere
+"""`python -m toolkit.export predict` as the run trained: from an ocean/ice + atmosphere
 pair (--data-atmos), on the run's own domain (hemisphere, --no-open-water: the selection is the run's, said in one
 line) or every ocean cell (--whole-grid); aice clipped to [0, 1] with the share reported; standard_name and the
 input's time dimension; SOCA's per-point layout; the maps (--plot); the sigmoid output's closed-form Jacobian
