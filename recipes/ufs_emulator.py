@@ -9,13 +9,19 @@ Runs unchanged on one CPU process with many threads (seed 000's CPU-node mode), 
     sbatch slurm/multinode_cpu.sbatch recipes/ufs_emulator.py --preset gdas --data /path/to/gdas.ice.t00z.inst.f009.nc
     python recipes/ufs_emulator.py --data ocean.nc --data-atmos atmos.nc --mask-variable umask --hemisphere north
     python -m toolkit.export aoti runs/ufs_emulator/<run> --out emulator.pt2    # for C++ (export/cpp/)
+    python recipes/ufs_emulator.py --preset soca --data gdas.t00z.icef003.nc --hemisphere south   # SOCA's IceNet
+    python -m toolkit.export torchscript runs/ufs_emulator/<run> --out soca/antarctic.pt --format soca
 
 Presets (--preset; any flag overrides the preset's value): `cpu` (the default: 300 epochs, early stopping after 20
-evaluations without improvement; minutes on a laptop CPU for the generated file, NOT the teams' training length)
-and `gdas` (aibalance c710abb's settings for GDAS CICE files: 100,000 epochs, a patience of 50 that is only
-reported, never stopping before 3,000 epochs, its domain --domain aibalance-c710abb and the first 400,000 cells).
-Both: 3 x 64 GELU, Adam lr 1e-4, weight decay 1e-4, batch 1000 (GLOBAL: split over the processes; with
---batch-per-process 1000 keeps seed 000's 1000 per process).
+evaluations without improvement; minutes on a laptop CPU for the generated file, NOT the teams' training length;
+3 x 64 GELU, Adam lr 1e-4, weight decay 1e-4), `gdas` (aibalance c710abb's settings for GDAS CICE files: 3 x 64
+ReLU as its ufsemulator/model.py, 100,000 epochs, a patience of 50 that is only reported, never stopping before 3,000
+epochs, its domain --domain aibalance-c710abb and the first 400,000 cells) and `soca` (the network SOCA's MLBalance
+runs, JCSDA soca MLJac.h with IceNet.h: --architecture icenet, fc1 -> fc2 -> sigmoid with no activation between and
+no output statistics, aice trained directly; SOCA's seven inputs in MLJac's order tair tsfc sst sss hs hi sice; its
+domain --domain soca, one model per pole, --hemisphere north (give south for the other), at most 400,000 patterns per
+process as IceEmul.h prepData; Adam lr 1e-3 without weight decay as BaseEmul.h's train; 300 epochs as `cpu`). All:
+batch 1000 (GLOBAL: split over the processes; with --batch-per-process 1000 keeps seed 000's 1000 per process).
 
 Features: inputs and outputs chosen by our variable names (default: sst sss tair tsfc hi hs sice uocn vocn uatm vatm
 qref flwdn fswdn -> aice), found in the file(s) under an explicit name (--variables NAME=VAR), ours, the CICE history
@@ -31,8 +37,9 @@ inputs and outputs are merged over the ranks as (count, mean, M2) in float64, st
 below 1e-6 becomes 1); the network trains in normalised space with MSE; validation reports RMSE and MAE in physical
 units, R^2, for generated files RMSE / the noise floor sigma, and the emulator's Jacobian as the mean |d aice / d x|
 per input in physical units (`val_jac_abs_mean/<input>`: what data assimilation uses of the model) and its mean
-Frobenius norm in normalised units (`val_jacobian_frobenius`); --output-activation sigmoid bounds the outputs to
-(0, 1) as SOCA's IceNet does (default none); early stopping
+Frobenius norm in normalised units (`val_jacobian_frobenius`); --activation between the layers (gelu, relu,
+identity); --output-activation sigmoid bounds the outputs to (0, 1) as SOCA's IceNet does (default none);
+--architecture icenet is SOCA's IceNet (outputs not normalised: the loss is the MSE of aice itself); early stopping
 on the validation loss (--patience, --min-epochs, or only reported with --no-stop-early); the best weights give the
 final validation metrics and a predicted-vs-true scatter (val_scatter.png).
 
@@ -90,7 +97,7 @@ from toolkit.data.ufs import (
     whole_batch,
 )
 from toolkit.data.ufs_domains import check_domain
-from toolkit.models.ufs_emulator import UfsEmulator
+from toolkit.models.ufs_emulator import ICENET_INPUTS, UfsEmulator
 from toolkit.process import extras
 
 
@@ -99,7 +106,8 @@ class UfsConfig(TrainConfig):
     """The sea-ice emulator; the defaults are the `cpu` preset's (PRESETS below)."""
 
     # Flags added after runs were made: a run whose config.json lacks one resumes with this value (not a flag)
-    added_flags = {"output_activation": "none", "domain": "toolkit", "mask": "variable"}
+    added_flags = {"output_activation": "none", "domain": "toolkit", "mask": "variable", "activation": "gelu",
+                   "architecture": "mlp"}
 
     data: Path | None = None
     """CICE/MOM6-style netCDF file (python -m toolkit.data.ufs synth --out FILE writes a generated one); with
@@ -149,10 +157,17 @@ class UfsConfig(TrainConfig):
     range_factor: float = 1.0
     """Widen the plausible range of each field (by its units: K 150..350, psu 0..60, m 0..50, m/s -150..150, kg/kg
     0..0.1, W/m^2 -100..2000; aice -0.25..1.25) by this factor around its centre; 0 turns the check off."""
+    architecture: Literal["mlp", "icenet"] = "mlp"
+    """mlp: --layers hidden layers of --hidden with --activation between, outputs normalised by their statistics
+    (trained in normalised units); icenet: SOCA's IceNet (IceNet.h, what MLJac.h runs): fc1 -> fc2 -> sigmoid, one
+    hidden layer of --hidden, no activation between, no output statistics (the output and the loss are aice itself);
+    it needs --layers 1 --activation identity --output-activation sigmoid, which --preset soca sets."""
     hidden: int = 64
     """Width of each hidden layer."""
     layers: int = 3
-    """Hidden layers (GELU)."""
+    """Hidden layers."""
+    activation: Literal["gelu", "relu", "identity"] = "gelu"
+    """Between the layers: gelu (the reference's), relu (aibalance c710abb's) or identity (none: SOCA's IceNet)."""
     output_activation: Literal["none", "sigmoid"] = "none"
     """On the network's output: none, or sigmoid (outputs bounded to (0, 1), as SOCA's IceNet; for aice)."""
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -180,13 +195,25 @@ PRESETS = {
     "cpu": ("300 epochs, patience 20: minutes on a laptop CPU for the generated file, NOT the teams' length",
             UfsConfig()),
     "gdas": (
-        "the teams' training on GDAS CICE files as aibalance c710abb (seed 000's) runs it: 100,000 epochs, patience "
-        "50 only reported, at least 3,000 epochs; its domain (--domain aibalance-c710abb: umask == 1, aice >= 0) "
-        "and its cap, the first 400,000 cells in grid order",
+        "the teams' training on GDAS CICE files as aibalance c710abb (seed 000's) runs it: 3 x 64 ReLU, 100,000 "
+        "epochs, patience 50 only reported, at least 3,000 epochs; its domain (--domain aibalance-c710abb: umask == "
+        "1, aice >= 0) and its cap, the first 400,000 cells in grid order",
         UfsConfig(epochs=100_000, patience=50, stop_early=False, min_epochs=3_000, domain="aibalance-c710abb",
-                  max_patterns=400_000),
+                  max_patterns=400_000, activation="relu"),
+    ),
+    "soca": (
+        "the network SOCA's MLBalance runs (MLJac.h, IceNet.h): fc1 -> fc2 -> sigmoid, no activation between, no "
+        "output statistics; SOCA's inputs in its order, tair tsfc sst sss hs hi sice; its domain (--domain soca, "
+        "one model per pole: --hemisphere north, or south) and cap (400,000 per process); Adam lr 1e-3, no weight "
+        "decay (BaseEmul.h); 300 epochs, patience 20. Export: torchscript --format soca",
+        UfsConfig(architecture="icenet", layers=1, activation="identity", output_activation="sigmoid",
+                  inputs=ICENET_INPUTS, domain="soca", hemisphere="north", max_patterns_per_rank=400_000, lr=1e-3,
+                  weight_decay=0.0),
     ),
 }
+
+ACTIVATION_NAMES = {"gelu": "GELU", "relu": "ReLU", "identity": "linear"}
+ICENET = {"layers": 1, "activation": "identity", "output_activation": "sigmoid"}  # what --architecture icenet is
 
 
 def variable_names(cfg: UfsConfig) -> dict[str, str]:
@@ -216,6 +243,11 @@ def check(cfg: UfsConfig) -> None:
         raise UsageError(f"--data-atmos {cfg.data_atmos} is the --data file; give the atmosphere file, or leave "
                          "--data-atmos out when one file holds every variable")
     require_at_least(cfg, 1, "thin", "hidden", "layers")
+    if cfg.architecture == "icenet" and any(getattr(cfg, key) != value for key, value in ICENET.items()):
+        given = " ".join(f"--{key.replace('_', '-')} {getattr(cfg, key)}" for key in ICENET)
+        needed = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in ICENET.items())
+        raise UsageError(f"--architecture icenet is SOCA's IceNet, fc1 -> fc2 -> sigmoid: it needs {needed} (given "
+                         f"{given}); --preset soca sets them, or give --architecture mlp")
     require_at_least(cfg, 0, "max_patterns", "max_patterns_per_rank", "patience", "min_epochs")
     check_domain(cfg.domain, mask=cfg.mask, mask_variable=cfg.mask_variable, lat_variable=cfg.lat_variable,
                  min_abs_lat=cfg.min_abs_lat, hemisphere=cfg.hemisphere, open_water=cfg.open_water,
@@ -319,14 +351,17 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     )
 
     # ---- model: the statistics are its buffers; it trains on normalised patterns -------------------------------
+    # IceNet has no output statistics: mean 0 and std 1 make the outputs' normalisation the identity (aice trained)
+    icenet = cfg.architecture == "icenet"
     model = UfsEmulator(
         patterns.input_mean,
         patterns.input_std,
-        patterns.output_mean,
-        patterns.output_std,
+        torch.zeros_like(patterns.output_mean) if icenet else patterns.output_mean,
+        torch.ones_like(patterns.output_std) if icenet else patterns.output_std,
         hidden=cfg.hidden,
         layers=cfg.layers,
         output_activation=cfg.output_activation,
+        activation=cfg.activation,
     )
     train_set = PatternRows(training_rows(model, patterns), index_name="pattern")
     valid_set = PatternRows(
@@ -350,8 +385,11 @@ def train(run: Run, cfg: UfsConfig) -> dict:
     model, optimizer, valid_loader = accelerator.prepare(model, optimizer, valid_loader)
     emulator = accelerator.unwrap_model(model)
     bounded = ", sigmoid output" if cfg.output_activation == "sigmoid" else ""
-    run.print(model_line(f"{cfg.layers} x {cfg.hidden} GELU MLP, {len(cfg.inputs)} -> {len(cfg.outputs)}{bounded}",
-                         emulator))
+    shape = (f"IceNet (SOCA): fc1 {len(cfg.inputs)} -> {cfg.hidden}, fc2 {cfg.hidden} -> {len(cfg.outputs)}, sigmoid, "
+             "no output statistics" if icenet else
+             f"{cfg.layers} x {cfg.hidden} {ACTIVATION_NAMES[cfg.activation]} MLP, {len(cfg.inputs)} -> "
+             f"{len(cfg.outputs)}{bounded}")
+    run.print(model_line(shape, emulator))
     to_normalised = emulator.input_std[None, None, :] / emulator.output_std[None, :, None]  # physical -> normalised
 
     def jacobian_names(prefix: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.models.ufs_emulator import ExportedEmulator, UfsEmulator, from_run_config
+from toolkit.models.ufs_emulator import ExportedEmulator, UfsEmulator, from_run_config, is_icenet
 
 # Statistics like the real fields': temperatures in K, a humidity in kg/kg, winds in m/s.
 MEAN = torch.tensor([273.4, 263.0, 2.2e-3, -0.1], dtype=torch.float64)
@@ -117,3 +117,54 @@ def test_exported_emulator_traces_with_any_number_of_points():
         predictions, jacobian = program.module()(x)
         expected_predictions, expected_jacobian = model.predict_with_jacobian(x)
         assert torch.equal(predictions, expected_predictions) and torch.equal(jacobian, expected_jacobian)
+
+
+def test_closed_form_jacobian_of_relu_and_identity_is_autograds():
+    """ReLU (aibalance c710abb's) and no activation (SOCA's IceNet, with the sigmoid output): the closed form equals
+    autograd's to 1e-10 in float64, ReLU's kink (a = 0, derivative 0 as autograd takes it) included."""
+    for activation, output_activation in (("relu", "none"), ("identity", "sigmoid"), ("relu", "sigmoid")):
+        torch.manual_seed(0)
+        model = UfsEmulator(MEAN, STD, torch.tensor([0.3, 1.2], dtype=torch.float64),
+                            torch.tensor([0.4, 0.9], dtype=torch.float64), hidden=32, layers=2, activation=activation,
+                            output_activation=output_activation).double()
+        kind = {"relu": torch.nn.ReLU, "identity": torch.nn.Identity}[activation]
+        assert [type(m) for m in model.net] == [torch.nn.Linear, kind, torch.nn.Linear, kind, torch.nn.Linear]
+        x = physical_inputs(7)
+        x[0] = MEAN  # on the kink: normalised inputs exactly 0 and zero biases put every first-layer unit at a = 0
+        assert torch.equal(model.net[0](model.normalise_inputs(x[:1])), torch.zeros(1, 32, dtype=torch.float64))
+        predictions, jacobian = model.predict_with_jacobian(x)
+        autograd = model.jacobian(x).detach()
+        assert torch.equal(predictions, model.predict(x))
+        scale = autograd.abs().amax(dim=(0, 1), keepdim=True)
+        assert ((jacobian - autograd).abs() / scale).max() < 1e-10, (activation, output_activation)
+    # ReLU's Jacobian is piecewise constant in normalised space: two points in one linear region share it
+    relu = model_with_stats(torch.float64)
+    relu.net = torch.nn.Sequential(*[torch.nn.ReLU() if isinstance(m, torch.nn.GELU) else m for m in relu.net])
+    x = physical_inputs(1)
+    _, near = relu.predict_with_jacobian(x + 1e-9 * STD)
+    _, at = relu.predict_with_jacobian(x)
+    assert torch.allclose(near, at, rtol=1e-12, atol=0)
+
+
+def test_activation_is_a_model_choice_and_old_configs_mean_gelu():
+    old = {"inputs": ["a", "b", "c", "d"], "outputs": ["y", "z"], "hidden": 8, "layers": 2}  # before --activation
+    assert sum(isinstance(m, torch.nn.GELU) for m in from_run_config(old).net) == 2
+    relu = from_run_config({**old, "activation": "relu"})
+    assert sum(isinstance(m, torch.nn.ReLU) for m in relu.net) == 2 and relu.activation == "relu"
+    assert [type(m) for m in from_run_config({**old, "activation": "identity", "layers": 1}).net] == [
+        torch.nn.Linear, torch.nn.Identity, torch.nn.Linear]
+    try:
+        UfsEmulator(MEAN, STD, MEAN[:1], STD[:1], activation="tanh")
+    except ValueError as error:
+        assert "gelu, relu, identity" in str(error)
+    else:
+        raise AssertionError("activation 'tanh' was accepted")
+
+
+def test_is_icenet_is_socas_network_and_nothing_else():
+    zero, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    icenet = dict(hidden=4, layers=1, activation="identity", output_activation="sigmoid")
+    assert is_icenet(UfsEmulator(MEAN, STD, zero, one, **icenet))
+    for change in ({"layers": 2}, {"activation": "gelu"}, {"activation": "relu"}, {"output_activation": "none"}):
+        assert not is_icenet(UfsEmulator(MEAN, STD, zero, one, **{**icenet, **change})), change
+    assert not is_icenet(UfsEmulator(MEAN, STD, zero + 0.3, one * 0.2, **icenet))  # output statistics

@@ -135,6 +135,8 @@ def test_gdas_preset_on_cice_files_in_two_files_reports_its_patience_and_trains_
     assert (config["preset"], config["stop_early"], config["min_epochs"], config["domain"], config["max_patterns"],
             config["max_patterns_per_rank"]) == ("gdas", False, 3000, "aibalance-c710abb", 400000, 0)
     assert "domain (aibalance-c710abb): umask == 1 and aice >= 0" in result.stdout
+    assert config["activation"] == "relu" and "model: 3 x 64 ReLU MLP, 14 -> 1" in result.stdout  # c710abb's model.py
+    assert {type(m).__name__ for m in from_run_config(config).net} == {"Linear", "ReLU"}
     assert config["epochs"] == 4 and config["patience"] == 1  # flags win over the preset
     assert recorded["data"]["variables"]["qref"] == "Qref_h" and recorded["data"]["atmos_path"] == str(atmos)
     assert "+" in recorded["data"]["fingerprint"]  # both files
@@ -331,6 +333,14 @@ BAD_INPUTS = [
      ["--max-patterns-per-rank -1 is invalid; it must be >= 0"]),
     ("min-epochs-negative", lambda d, data: ["--data", str(data), "--min-epochs", "-2"],
      ["--min-epochs -2 is invalid; it must be >= 0"]),
+    ("activation-unknown", lambda d, data: ["--data", str(data), "--activation", "tanh"],
+     ["--activation", "tanh"]),
+    ("icenet-with-mlp-flags", lambda d, data: ["--data", str(data), "--architecture", "icenet"],
+     ["--architecture icenet is SOCA's IceNet, fc1 -> fc2 -> sigmoid: it needs --layers 1 --activation identity "
+      "--output-activation sigmoid (given --layers 3 --activation gelu --output-activation none); --preset soca "
+      "sets them"]),
+    ("soca-preset-two-layers", lambda d, data: ["--data", str(data), "--preset", "soca", "--layers", "2"],
+     ["--architecture icenet", "(given --layers 2 --activation identity --output-activation sigmoid)"]),
 ]
 
 

@@ -1,6 +1,7 @@
 """The UFS sea-ice emulator: an MLP from the local ocean/atmosphere state to sea-ice quantities (seeds 000/001).
 
     model = UfsEmulator(input_mean, input_std, output_mean, output_std, hidden=64, layers=3,
+                        activation="gelu",          # between the layers: gelu, relu (aibalance c710abb), identity
                         output_activation="none")   # or "sigmoid": outputs bounded to (0, 1), as SOCA's IceNet
     z = model.normalise_inputs(x)        # physical -> normalised (float64 arithmetic, the network's dtype)
     model(z)                             # the network: normalised inputs -> normalised outputs (what is trained)
@@ -10,8 +11,13 @@
     torch.export.export(ExportedEmulator(model), (x,), ...)   # forward(x) = predict_with_jacobian(x)
 
 The export (toolkit/export/: torch.export + AOTInductor, for C++) needs the Jacobian without autograd: an MLP's is
-closed form, W_L diag(gelu'(a_{L-1})) W_{L-1} ... diag(gelu'(a_1)) W_1 in normalised space, chained in the
-network's dtype alongside the forward pass, then scaled by output_std / input_std in float64.
+closed form, W_L diag(f'(a_{L-1})) W_{L-1} ... diag(f'(a_1)) W_1 in normalised space (f the activation between the
+layers: GELU, ReLU with f' = 1 where a > 0 and 0 elsewhere as autograd takes it, or the identity with f' = 1),
+chained in the network's dtype alongside the forward pass, then scaled by output_std / input_std in float64.
+
+SOCA's IceNet (IceNet.h: fc1 -> fc2 -> sigmoid) is this class with layers=1, activation="identity",
+output_activation="sigmoid" and output statistics 0 and 1: the network's output is aice itself, and what is trained
+is aice (the normalisation of the outputs is the identity). ICENET_INPUTS is the order in which SOCA fills its inputs.
 
 With output_activation="sigmoid" the physical output is sigmoid(network) (SOCA's IceNet: aice in (0, 1)); what is
 trained stays the normalised output, (sigmoid(network) - output_mean) / output_std, so the loss keeps its scale, and
@@ -30,6 +36,11 @@ from torch import nn
 
 STATISTICS = ("input_mean", "input_std", "output_mean", "output_std")
 OUTPUT_ACTIVATIONS = ("none", "sigmoid")  # on the network's output: none, or sigmoid (outputs in (0, 1), SOCA's IceNet)
+# Between the layers: GELU (the reference's), ReLU (aibalance c710abb ufsemulator/model.py), or none (SOCA's IceNet)
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "identity": nn.Identity}
+# SOCA's inputs in the order MLJac.h and IceEmul.h prepData fill them (patterns[i][0..6]); Jacobian entry k is d / d
+# ICENET_INPUTS[k]
+ICENET_INPUTS = ("tair", "tsfc", "sst", "sss", "hs", "hi", "sice")
 
 
 class UfsEmulator(nn.Module):
@@ -42,11 +53,15 @@ class UfsEmulator(nn.Module):
         hidden: int = 64,
         layers: int = 3,
         output_activation: str = "none",
+        activation: str = "gelu",
     ):
         super().__init__()
         if output_activation not in OUTPUT_ACTIVATIONS:
             raise ValueError(f"output_activation {output_activation!r}: give one of {', '.join(OUTPUT_ACTIVATIONS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: give one of {', '.join(ACTIVATIONS)}")
         self.output_activation = output_activation
+        self.activation = activation
         n_in, n_out = len(input_mean), len(output_mean)
         self.register_buffer("input_mean", torch.as_tensor(input_mean, dtype=torch.float64).clone())
         self.register_buffer("input_std", torch.as_tensor(input_std, dtype=torch.float64).clone())
@@ -55,7 +70,7 @@ class UfsEmulator(nn.Module):
         widths = [n_in, *[hidden] * layers]
         blocks: list[nn.Module] = []
         for a, b in zip(widths[:-1], widths[1:], strict=True):
-            blocks += [nn.Linear(a, b), nn.GELU()]
+            blocks += [nn.Linear(a, b), ACTIVATIONS[activation]()]  # nn.Identity keeps the Linear layers' indices
         blocks.append(nn.Linear(widths[-1], n_out))
         self.net = nn.Sequential(*blocks)
         for module in self.net:
@@ -119,7 +134,10 @@ class UfsEmulator(nn.Module):
             elif isinstance(layer, nn.GELU):
                 chain = gelu_derivative(layer, h).unsqueeze(-1) * chain
                 h = layer(h)
-            else:
+            elif isinstance(layer, nn.ReLU):  # 1 where a > 0, else 0 (autograd's threshold_backward, a = 0 included)
+                chain = (h > 0).to(h.dtype).unsqueeze(-1) * chain
+                h = layer(h)
+            elif not isinstance(layer, nn.Identity):  # the identity: h and its chain unchanged
                 raise TypeError(f"predict_with_jacobian has no derivative for {type(layer).__name__}")
         # x.shape[0], not len(x): torch.export keeps the number of points symbolic (any n).
         chain = chain.expand(x.shape[0], -1, -1).double()
@@ -160,4 +178,14 @@ def from_run_config(config: dict) -> UfsEmulator:
     n_in, n_out = len(config["inputs"]), len(config["outputs"])
     ones_in, ones_out = torch.ones(n_in, dtype=torch.float64), torch.ones(n_out, dtype=torch.float64)
     return UfsEmulator(ones_in * 0, ones_in, ones_out * 0, ones_out, hidden=config["hidden"], layers=config["layers"],
-                       output_activation=config.get("output_activation", "none"))  # runs made before it: none
+                       output_activation=config.get("output_activation", "none"),  # runs made before it: none
+                       activation=config.get("activation", "gelu"))  # runs made before it: gelu
+
+
+def is_icenet(model: UfsEmulator) -> bool:
+    """Whether the model is SOCA's IceNet: fc1 -> fc2 -> sigmoid (one hidden layer, nothing between the two Linear
+    layers but the identity, a sigmoid output) with no output statistics (mean 0, std 1: the output is aice)."""
+    linears = [layer for layer in model.net if isinstance(layer, nn.Linear)]
+    between = [layer for layer in model.net if not isinstance(layer, nn.Linear | nn.Identity)]
+    return (len(linears) == 2 and not between and getattr(model, "output_activation", "none") == "sigmoid"
+            and bool((model.output_mean == 0).all()) and bool((model.output_std == 1).all()))
