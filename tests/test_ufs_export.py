@@ -158,11 +158,15 @@ def test_export_refuses_bad_input_in_one_line(trained_run, tmp_path, capfd, monk
     assert_refused_here(["aoti", str(run_dir), "--out", str(tmp_path / "x.pt2")], ["CXX", "g++"], tmp_path, capfd)
 
 
-def build_cpp_consumer() -> Path:
+PROGRAMS = ("ufs_emulator", "soca_icenet")  # export/cpp/CMakeLists.txt's executables
+
+
+def build_cpp_consumer(program: str = "ufs_emulator") -> Path:
     """cmake + g++ against the torch wheel's LibTorch, into a temporary build directory kept per source version and
-    LibTorch (a LibTorch compile takes minutes on 2 cores; later runs reuse it). The binary finds LibTorch by the path
-    it was linked at, so that path is in the key: a build linked against a venv since removed is not reused. Skips
-    when LibTorch cannot be configured on this machine (tests/cmake_configure.py); fails on our own errors."""
+    LibTorch (a LibTorch compile takes minutes on 2 cores; later runs reuse it); every program of export/cpp is built
+    (ufs_emulator, soca_icenet), `program`'s path returned. The binary finds LibTorch by the path it was linked at,
+    so that path is in the key: a build linked against a venv since removed is not reused. Skips when LibTorch
+    cannot be configured on this machine (tests/cmake_configure.py); fails on our own errors."""
     import hashlib
 
     from filelock import FileLock
@@ -172,9 +176,9 @@ def build_cpp_consumer() -> Path:
     for path in sorted(sources.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     build = Path("/tmp") / f"toolkit-ufs-cpp-{digest.hexdigest()[:12]}"
-    binary = build / "ufs_emulator"
+    binary = build / program
     with FileLock(str(build) + ".lock"):
-        if not binary.exists():
+        if not all((build / name).exists() for name in PROGRAMS):
             shutil.rmtree(build, ignore_errors=True)
             configure = subprocess.run(
                 [
@@ -200,6 +204,7 @@ def build_cpp_consumer() -> Path:
             compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True)
             # a compile or link error is ours (export/cpp's sources): it fails the test
             assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    assert binary.exists(), f"{program} is not a program of {sources}/CMakeLists.txt ({', '.join(PROGRAMS)})"
     return binary
 
 

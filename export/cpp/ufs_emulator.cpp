@@ -1,6 +1,6 @@
 // Load an exported UFS emulator and print its predictions and Jacobian, in physical units.
 //
-//   ufs_emulator MODEL INPUTS.csv [--format aoti|torchscript|soca] [--threads N]
+//   ufs_emulator MODEL INPUTS.csv [--format aoti|torchscript|soca|ufsnet] [--threads N]
 //
 // --format picks the artefact (default aoti):
 //   aoti         an AOTInductor package (python -m toolkit.export aoti RUN_DIR --out emulator.pt2), run with
@@ -9,8 +9,10 @@
 //                run with torch::jit::load and its methods predict and jac_physical (as aibalance's
 //                ufsemulator/cpp/ufs_emulator.cpp loads it; names from its `meta` attribute);
 //   soca         SOCA's layout (... torchscript RUN_DIR --out DIR/MODEL.pt --format soca), loaded as SOCA's
-//                BaseEmul.h loads a network: UfsNet (ufs_net.h), torch::load(model, MODEL), model->loadNorm(MODEL)
-//                (DIR/normalization.MODEL), then forward and jac.
+//                BaseEmul.h loads IceNet (icenet.h): torch::load(model, MODEL), model->loadNorm(MODEL)
+//                (DIR/normalization.MODEL), then forward and jac one point at a time (float32), as IceEmul.h;
+//                the inputs are SOCA's, tair tsfc sst sss hs hi sice, the output aice;
+//   ufsnet       our MLP's layout (... --format ufsnet), loaded the same way into UfsNet (ufs_net.h).
 //
 // INPUTS.csv: one point per line, the input fields in the model's order (comma-separated; a first line that is not
 // numeric is taken as a header and skipped). Output: a header with the output names and then, per output o and
@@ -34,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "icenet.h"
 #include "ufs_net.h"
 
 static int fail(const std::string& message) {
@@ -138,6 +141,53 @@ static Emulator load_torchscript(const std::string& path) {
 
 static Emulator load_soca(const std::string& path) {
   // BaseEmul.h takes the sizes from its YAML (ffnn.inputSize, ...); here they come from the file: fc1's weight is
+  // [hidden, inputs], fc2's [outputs, hidden]
+  int64_t inputs = 0, hidden = 0, outputs = 0;
+  try {
+    torch::serialize::InputArchive archive, first, second;
+    torch::Tensor weight1, weight2;
+    archive.load_from(path);
+    archive.read("fc1", first);
+    archive.read("fc2", second);
+    first.read("weight", weight1);
+    second.read("weight", weight2);
+    hidden = weight1.size(0);
+    inputs = weight1.size(1);
+    outputs = weight2.size(0);
+  } catch (const std::exception& error) {
+    throw BadArtefact(path + " is not SOCA's layout written by python -m toolkit.export torchscript --format soca: " +
+                      first_line(error.what()));
+  }
+  if (inputs != 7 || outputs != 1)
+    throw BadArtefact(path + " maps " + std::to_string(inputs) + " inputs to " + std::to_string(outputs) +
+                      " outputs; SOCA's IceNet maps 7 (tair tsfc sst sss hs hi sice) to 1 (aice)");
+  auto model = std::make_shared<IceNet>(inputs, hidden, outputs, 1, 1);  // BaseEmul.h: make_shared<Net>(...)
+  try {
+    model->initWeights();
+    torch::load(model, path);  // BaseEmul.h: torch::load(model_, modelFileName)
+    model->loadNorm(path);     // BaseEmul.h: model_->loadNorm(modelFileName)
+  } catch (const std::exception& error) {
+    throw BadArtefact(path + " and " + UfsNet::normFileName(path) + " do not load as SOCA's IceNet: " +
+                      first_line(error.what()));
+  }
+  Emulator emulator{{"tair", "tsfc", "sst", "sss", "hs", "hi", "sice"}, {"aice"}, nullptr, model};
+  emulator.run = [model](const torch::Tensor& x) {  // IceEmul.h predict: one float32 point at a time
+    auto predictions = torch::empty({x.size(0), 1}, torch::kFloat64);
+    auto jacobian = torch::empty({x.size(0), 1, x.size(1)}, torch::kFloat64);
+    torch::AutoGradMode enableGrad(true);  // jac's backward (the caller holds a NoGradGuard)
+    torch::Tensor input = torch::ones({x.size(1)});
+    for (int64_t p = 0; p < x.size(0); ++p) {
+      input.copy_(x[p]);
+      predictions[p][0] = model->forward(input).item<float>();
+      jacobian[p][0].copy_(model->jac(input));
+    }
+    return std::make_pair(predictions, jacobian);
+  };
+  return emulator;
+}
+
+static Emulator load_ufsnet(const std::string& path) {
+  // BaseEmul.h takes the sizes from its YAML (ffnn.inputSize, ...); here they come from the file: fc1's weight is
   // [hidden, inputs], output_mean is [outputs]
   int64_t inputs = 0, hidden = 0, outputs = 0;
   c10::IValue meta;
@@ -154,8 +204,8 @@ static Emulator load_soca(const std::string& path) {
     outputs = output_mean.size(0);
     archive.read("meta", meta);
   } catch (const std::exception& error) {
-    throw BadArtefact(path + " is not SOCA's layout written by python -m toolkit.export torchscript --format soca: " +
-                      first_line(error.what()));
+    throw BadArtefact(path + " is not UfsNet's layout written by python -m toolkit.export torchscript --format "
+                      "ufsnet: " + first_line(error.what()));
   }
   auto names = short_names(meta, path);
   auto model = std::make_shared<UfsNet>(inputs, hidden, outputs, 1, 1);  // BaseEmul.h: make_shared<Net>(...)
@@ -164,7 +214,7 @@ static Emulator load_soca(const std::string& path) {
     torch::load(model, path);  // BaseEmul.h: torch::load(model_, modelFileName)
     model->loadNorm(path);     // BaseEmul.h: model_->loadNorm(modelFileName)
   } catch (const std::exception& error) {
-    throw BadArtefact(path + " and " + UfsNet::normFileName(path) + " do not load as SOCA's layout: " +
+    throw BadArtefact(path + " and " + UfsNet::normFileName(path) + " do not load as UfsNet's layout: " +
                       first_line(error.what()));
   }
   model->eval();
@@ -174,7 +224,8 @@ static Emulator load_soca(const std::string& path) {
 }
 
 int main(int argc, char** argv) {
-  const std::string usage = "usage: ufs_emulator MODEL INPUTS.csv [--format aoti|torchscript|soca] [--threads N]";
+  const std::string usage =
+      "usage: ufs_emulator MODEL INPUTS.csv [--format aoti|torchscript|soca|ufsnet] [--threads N]";
   std::vector<std::string> positional;
   std::string format = "aoti";
   for (int index = 1; index < argc; ++index) {
@@ -207,8 +258,10 @@ int main(int argc, char** argv) {
       emulator = load_torchscript(model_path);
     else if (format == "soca")
       emulator = load_soca(model_path);
+    else if (format == "ufsnet")
+      emulator = load_ufsnet(model_path);
     else
-      return fail("--format " + format + " is not aoti, torchscript or soca");
+      return fail("--format " + format + " is not aoti, torchscript, soca or ufsnet");
   } catch (const BadArtefact& error) {
     return fail(error.what());
   }

@@ -1,9 +1,10 @@
-// UfsNet: the network class for SOCA's layout of an exported UFS emulator
-// (python -m toolkit.export torchscript RUN_DIR --out DIR/MODEL.pt --format soca: DIR/MODEL.pt and
-// DIR/normalization.MODEL.pt; toolkit/export/soca.py).
+// UfsNet: the network class for our general MLP in SOCA's two-file form
+// (python -m toolkit.export torchscript RUN_DIR --out DIR/MODEL.pt --format ufsnet: DIR/MODEL.pt and
+// DIR/normalization.MODEL.pt; toolkit/export/soca.py). SOCA as published runs IceNet (icenet.h; --format soca
+// writes its files); UfsNet is the class SOCA would have to adopt to run our deeper MLP.
 //
-// It has the interface of SOCA's IceNet (JCSDA-internal/soca, src/soca/MLBalance/KEmul/IceNet.h), so SOCA's
-// BaseEmul<Net> (KEmul/BaseEmul.h) can hold it in IceNet's place and load a trained emulator as it loads IceNet:
+// It has the interface of SOCA's IceNet (JCSDA soca MLBalance, IceNet.h), so SOCA's BaseEmul<Net> (BaseEmul.h)
+// could hold it in IceNet's place and load a trained emulator as it loads IceNet:
 //
 //   model_ = std::make_shared<Net>(inputSize_, hiddenSize_, outputSize_, kernelSize_, stride_);   // BaseEmul.h
 //   model_->initWeights();
@@ -12,8 +13,8 @@
 //
 // and MLJac.h / IceEmul.h call forward(x) and jac(x) on one point (x [inputs], float32): forward returns the
 // outputs in physical units, jac d output / d x in physical units ([inputs] for one output, as IceNet.h's jac).
-// Where IceNet is fc1 -> fc2 -> sigmoid, UfsNet is our MLP: fc1 ... fc<L+1> with GELU between (exact GELU, or the
-// archive's gelu_approximate), the output either de-normalised (output_mean, output_std) or, when the archive's
+// Where IceNet is fc1 -> fc2 -> sigmoid, UfsNet is our MLP: fc1 ... fc<L+1> with the archive's activation between
+// (GELU, exact or the archive's gelu_approximate; ReLU; or none: "identity"; files without it: GELU), the output either de-normalised (output_mean, output_std) or, when the archive's
 // output_activation is "sigmoid", sigmoid(network) as IceNet's. The depth and widths follow the archive that
 // torch::load reads (load() below), so BaseEmul's five constructor arguments suffice. Statistics are float64, as in
 // the Python model: inputs are normalised in float64 and cast to the network's dtype (float32), outputs come back
@@ -54,6 +55,9 @@ struct UfsNet : torch::nn::Module {
     c10::IValue value;
     if (archive.try_read("output_activation", value)) sigmoid = value.toStringRef() == "sigmoid";
     if (archive.try_read("gelu_approximate", value)) geluApproximate = value.toStringRef();
+    if (archive.try_read("activation", value)) activation = value.toStringRef();  // files without it: gelu
+    TORCH_CHECK(activation == "gelu" || activation == "relu" || activation == "identity", "activation '", activation,
+                "' is not gelu, relu or identity");
     std::vector<std::pair<int64_t, int64_t>> shapes;
     for (size_t index = 1;; ++index) {
       torch::serialize::InputArchive layer;
@@ -117,7 +121,11 @@ struct UfsNet : torch::nn::Module {
 
   // the network alone: normalised inputs -> its last Linear's output
   torch::Tensor network(torch::Tensor z) {
-    for (size_t index = 0; index + 1 < fc.size(); ++index) z = torch::gelu(fc[index]->forward(z), geluApproximate);
+    for (size_t index = 0; index + 1 < fc.size(); ++index) {
+      z = fc[index]->forward(z);
+      if (activation == "gelu") z = torch::gelu(z, geluApproximate);
+      else if (activation == "relu") z = torch::relu(z);  // identity: z as it is
+    }
     return fc.back()->forward(z);
   }
 
@@ -163,6 +171,7 @@ struct UfsNet : torch::nn::Module {
   torch::Tensor inputMean, inputStd, outputMean, outputStd;
   bool sigmoid = false;
   std::string geluApproximate = "none";
+  std::string activation = "gelu";  // between the layers: the archive's activation (gelu, relu or identity)
 
  private:
   void build(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
