@@ -4,6 +4,7 @@ CLI, the C++ consumer and netCDF inference: tests/test_ufs_export.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from toolkit.models.ufs_emulator import ExportedEmulator, UfsEmulator, from_run_config, is_icenet
@@ -101,12 +102,17 @@ def test_closed_form_jacobian_is_autograds():
     assert ((jacobian - autograd).abs() / autograd.abs().amax(dim=(0, 1), keepdim=True)).max() < 1e-5
 
 
-def test_exported_emulator_traces_with_any_number_of_points():
+@pytest.mark.parametrize("activation", ["gelu", "relu", "identity"])
+def test_exported_emulator_traces_with_any_number_of_points(activation):
     """torch.export of ExportedEmulator (no AOTInductor compile here: that is tests/test_ufs_export.py): the
-    program's outputs are the closed form's for 1 and for 9 points, without a DeprecationWarning."""
+    program's outputs are the closed form's for 1 and for 9 points, without a DeprecationWarning, for each
+    activation."""
     import warnings
 
     model = model_with_stats()
+    if activation != "gelu":
+        torch.manual_seed(0)
+        model = UfsEmulator(MEAN, STD, model.output_mean, model.output_std, hidden=32, layers=3, activation=activation)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         program = torch.export.export(
