@@ -22,12 +22,15 @@ from toolkit.data.ufs_domains import DOMAINS
 from toolkit.errors import UsageError
 from toolkit.export.netcdf import selection_options
 
+OPEN_WATER = (0.05, 0.25)  # aice in this band becomes open water, exactly 0 (the noise below 0 stays)
+
 
 @pytest.fixture(scope="module")
 def cice(tmp_path_factory):
     """A CICE history file (umask/ULAT beside tmask/TLAT; aice with noise below 0 and above 1) on 5-degree rows, so
     that a row of ULAT is exactly 40 (SOCA's > 40 leaves it out, >= would not), with every 7th ocean cell's masks
-    at 0.7 (the teams' == 1 leaves them out, our > 0.5 keeps them)."""
+    at 0.7 (the teams' == 1 leaves them out, our > 0.5 keeps them), and open water inside the mask as a model
+    writes it: aice exactly 0 where it was in OPEN_WATER (SOCA's 0 < aice leaves those out, 0 <= aice would not)."""
     where = tmp_path_factory.mktemp("domains")
     synthesize(where / "plain.nc", seed=3, nlat=36, nlon=72, naming="cice")
     with xr.open_dataset(where / "plain.nc") as plain:
@@ -37,6 +40,9 @@ def cice(tmp_path_factory):
         values = ds[name].values.copy()
         values.reshape(-1)[np.flatnonzero(values.reshape(-1) == 1)[::7]] = 0.7
         ds[name] = (ds[name].dims, values, ds[name].attrs)
+    aice = ds["aice_h"].values.copy()
+    aice[(aice >= OPEN_WATER[0]) & (aice < OPEN_WATER[1])] = 0.0
+    ds["aice_h"] = (ds["aice_h"].dims, aice, ds["aice_h"].attrs)
     ds.to_netcdf(where / "cice.nc", engine="netcdf4")
     return where / "cice.nc"
 
@@ -56,21 +62,42 @@ def flat(ds, name):
 # ---- transcriptions of the teams' code ------------------------------------------------------------------------
 
 
-def soca_select(mask, lat, aice, pole, i):
-    """IceEmul.h selectData with clean data."""
+def select_data(mask, lat, aice, clean_data, pole):
+    """IceEmul.h selectData (guillaumevernieres/daml src/daml/IceEmul/IceEmul.h), line for line; float32 values,
+    as readCice reads them."""
     if pole == "north":
-        return mask[i] == 1 and lat[i] > 40.0 and aice[i] > 0.0 and aice[i] <= 1.0
-    return mask[i] == 1 and lat[i] < -40.0 and aice[i] > 0.0 and aice[i] <= 1.0
+        if clean_data:
+            if mask == 1 and lat > 40.0 and aice > 0.0 and aice <= 1.0:
+                return True
+            else:
+                return False
+        else:
+            if lat > 60.0:
+                return True
+    if pole == "south":
+        if clean_data:
+            if mask == 1 and lat < -40.0 and aice > 0.0 and aice <= 1.0:
+                return True
+            else:
+                return False
+        else:
+            if lat < -60.0:
+                return True
+    return False
 
 
-def soca_cells(mask, lat, aice, pole, n, size):
+def soca_select(mask, lat, aice, pole, i, clean=True):
+    return select_data(mask[i], lat[i], aice[i], clean, pole)
+
+
+def soca_cells(mask, lat, aice, pole, n, size, clean=True):
     """IceEmul.h prepData on `size` ranks: each counts its domain cells along i = rank, rank + size, ... up to n,
     MPI_MIN of the counts, then each takes that many; the union of every rank's cells."""
     local = []
     for rank in range(size):
         count = 0
         for i in range(rank, len(lat), size):
-            if soca_select(mask, lat, aice, pole, i):
+            if soca_select(mask, lat, aice, pole, i, clean):
                 count += 1
             if count >= n:
                 break
@@ -80,7 +107,7 @@ def soca_cells(mask, lat, aice, pole, n, size):
     for rank in range(size):
         cnt = 0
         for i in range(rank, len(lat), size):
-            if soca_select(mask, lat, aice, pole, i):
+            if soca_select(mask, lat, aice, pole, i, clean):
                 cells.append(i)
                 cnt += 1
             if cnt >= num_patterns:
@@ -133,12 +160,50 @@ def test_soca_domain_is_socas_select_data_and_prepdata_cap(pole, world, per_rank
         expected = soca_cells(mask, lat, aice, pole, per_rank or len(lat), world)
         selection = selected(ds, cice, domain="soca", hemisphere=pole, max_patterns_per_rank=per_rank, world=world)
         domain = sum(soca_select(mask, lat, aice, pole, i) for i in range(len(lat)))
+        polar = (mask == 1) & (lat > 40.0 if pole == "north" else lat < -40.0)
+        assert (aice[polar] == 0).sum() > 20 and (aice[polar] < 0).any()  # open water and noise below 0 in its mask
     assert selection.domain_cells == domain > 50
     assert selection.cells.tolist() == expected
     assert len(expected) < domain if per_rank or world > 1 else len(expected) == domain  # the cap or MPI_MIN cut
     assert selection.depends_on_world
     assert selection.where == {"north": "umask == 1 and ULAT > 40 and 0 < aice_h <= 1",
                                "south": "umask == 1 and ULAT < -40 and 0 < aice_h <= 1"}[pole]
+
+
+@pytest.mark.parametrize("pole", ["north", "south"])
+@pytest.mark.parametrize("world, per_rank", [(1, 0), (3, 40)])
+def test_soca_unclean_is_select_data_without_clean_data(pole, world, per_rank, cice):
+    """SOCA's clean data: false: every cell beyond 60 degrees, land (mask 0, aice NaN) and open water included."""
+    with xr.open_dataset(cice) as ds:
+        mask, lat, aice = flat(ds, "umask"), flat(ds, "ULAT"), flat(ds, "aice_h")
+        expected = soca_cells(mask, lat, aice, pole, per_rank or len(lat), world, clean=False)
+        selection = selected(ds, cice, domain="soca-unclean", mask_variable="", hemisphere=pole,
+                             max_patterns_per_rank=per_rank, world=world)
+        domain = [i for i in range(len(lat)) if soca_select(mask, lat, aice, pole, i, clean=False)]
+    assert selection.cells.tolist() == expected and selection.domain_cells == len(domain) > 300
+    assert (mask[domain] == 0).any() and np.isnan(aice[domain]).any() and (aice[domain] == 0).any()
+    assert selection.where == {"north": "ULAT > 60", "south": "ULAT < -60"}[pole] and selection.depends_on_world
+
+
+def test_soca_unclean_trains_only_where_the_file_has_values(cice, tmp_path):
+    """Its land cells hold the file's fill (NaN here): one line naming the count and the domain; a file with values
+    there trains, its selection recorded as SOCA's."""
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(UsageError, match=r"NaN/inf values inside the sea-ice domain .*--domain soca-unclean keeps "
+                                         r"every cell of its latitudes, land too") as error:
+        load_patterns(accelerator, cice, domain="soca-unclean", hemisphere="north")
+    assert "\n" not in str(error.value)
+    with xr.open_dataset(cice) as ds:
+        filled = ds.load()
+    for name in filled.data_vars:
+        if filled[name].ndim == 3:  # the fields: land given each field's median
+            filled[name] = filled[name].fillna(float(filled[name].median()))
+    filled.to_netcdf(tmp_path / "filled.nc", engine="netcdf4")
+    patterns = load_patterns(accelerator, tmp_path / "filled.nc", domain="soca-unclean", hemisphere="south")
+    assert patterns.meta["where"] == "ULAT < -60" and patterns.meta["mask_variable"] == ""
+    with xr.open_dataset(cice) as ds:
+        mask, lat, aice = flat(ds, "umask"), flat(ds, "ULAT"), flat(ds, "aice_h")
+        assert patterns.meta["patterns"] == len(soca_cells(mask, lat, aice, "south", len(lat), 1, clean=False))
 
 
 @pytest.mark.parametrize("cap", [0, 700])
@@ -222,7 +287,12 @@ REFUSED = {
                                           "--mask thickness-tair: --domain soca selects as the team does"),
     "soca without a mask variable": ({"domain": "soca", "hemisphere": "north", "mask_variable": ""},
                                      "--mask-variable '': --domain soca selects as the team does"),
-    "an unknown domain": ({"domain": "nasa"}, "--domain nasa is invalid; give one of toolkit, soca, "
+    "soca-unclean without a pole": ({"domain": "soca-unclean"}, "--domain soca-unclean trains one model per pole"),
+    "soca-unclean with a mask variable": ({"domain": "soca-unclean", "hemisphere": "north", "mask_variable": "umask"},
+                                          "--mask-variable 'umask': --domain soca-unclean selects as the team does"),
+    "soca-unclean with open water out": ({"domain": "soca-unclean", "hemisphere": "north", "open_water": False},
+                                         "--no-open-water: --domain soca-unclean selects as the team does"),
+    "an unknown domain": ({"domain": "nasa"}, "--domain nasa is invalid; give one of toolkit, soca, soca-unclean, "
                           "aibalance-c710abb, aibalance-b1eccbc"),
 }
 
@@ -249,4 +319,4 @@ def test_gdas_preset_follows_aibalance_c710abb(recipe):
     assert (gdas.domain, gdas.max_patterns, gdas.max_patterns_per_rank) == ("aibalance-c710abb", 400_000, 0)
     assert (gdas.epochs, gdas.patience, gdas.min_epochs, gdas.stop_early) == (100_000, 50, 3_000, False)
     assert "c710abb" in recipe.PRESETS["gdas"][0] and set(DOMAINS) == {
-        "toolkit", "soca", "aibalance-c710abb", "aibalance-b1eccbc"}
+        "toolkit", "soca", "soca-unclean", "aibalance-c710abb", "aibalance-b1eccbc"}

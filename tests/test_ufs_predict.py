@@ -146,7 +146,25 @@ def test_aice_is_clipped_to_0_1_and_the_share_reported(pair_run, tmp_path, capfd
         assert torch.equal(torch.from_numpy(emulated["daice_dhi"].values.ravel()[cells]), jacobian[:, 0, 4])
 
 
+def iceemul_results(path: Path, lon, lat, ice_original, ice_ffnn, doutdx, input_size: int) -> None:
+    """IceEmul.h predict's file (guillaumevernieres/daml src/daml/IceEmul/IceEmul.h), transcribed with netCDF4:
+    NcFile replace, the dimensions n and n_inputs, every variable ncFloat on n, in its order; `doutdx` the
+    Jacobian columns by its names."""
+    import netCDF4
+
+    with netCDF4.Dataset(path, "w") as nc:
+        nc.createDimension("n", len(ice_original))
+        nc.createDimension("n_inputs", input_size)
+        for name, values in (("lon", lon), ("lat", lat), ("aice", ice_original), ("aice_ffnn", ice_ffnn),
+                             *((name, doutdx[name]) for name in ("dcdt", "dcds", "dcdhs", "dcdhi", "dcdsi",
+                                                                 "dcdtsfc", "dcdtair"))):
+            nc.createVariable(name, "f4", ("n",))[:] = np.asarray(values, dtype=np.float32)
+
+
 def test_soca_layout_per_point(pair_run, tmp_path, capfd):
+    """--layout soca is the file IceEmul.h's predict writes (a transcription of its writer, here, on the same
+    points): the same dimensions (n, n_inputs), variables, float32 types and values; units and names beside."""
+    import netCDF4
     import xarray as xr
 
     from toolkit.export.netcdf import soca_name
@@ -159,18 +177,24 @@ def test_soca_layout_per_point(pair_run, tmp_path, capfd):
     cells = np.flatnonzero(domain.ravel())
     model = best_model(run_dir)
     predictions, jacobian = model.predict_with_jacobian(x)
-    with xr.open_dataset(out) as per_point, xr.open_dataset(ocean) as source:
-        assert set(per_point.variables) == {"lat", "lon", "aice", "aice_ffnn", *SOCA_JACOBIAN}
-        assert all(per_point[name].dims == ("n",) for name in per_point.variables)
-        assert per_point.sizes["n"] == len(cells)
-        assert np.array_equal(per_point["lat"].values, source["TLAT"].values.ravel()[cells].astype(np.float64))
-        assert np.array_equal(per_point["lon"].values, source["TLON"].values.ravel()[cells].astype(np.float64))
-        assert np.array_equal(per_point["aice"].values, source["aice"].values[0].ravel()[cells].astype(np.float64))
-        assert torch.equal(torch.from_numpy(per_point["aice_ffnn"].values), predictions[:, 0])
-        for name, ours in SOCA_JACOBIAN.items():
-            assert torch.equal(torch.from_numpy(per_point[name].values), jacobian[:, 0, SOCA_INPUTS.index(ours)]), name
-        assert per_point["dcdt"].attrs["units"] == "1/K" and per_point["dcdhi"].attrs["units"] == "1/m"
-        assert per_point["aice_ffnn"].attrs["standard_name"] == "sea_ice_area_fraction"
+    with xr.open_dataset(ocean) as source:
+        lat, lon = source["TLAT"].values.ravel()[cells], source["TLON"].values.ravel()[cells]
+        truth = source["aice"].values[0].ravel()[cells]
+    theirs = tmp_path / "iceemul.nc"
+    iceemul_results(theirs, lon, lat, truth, predictions[:, 0].numpy(),
+                    {name: jacobian[:, 0, SOCA_INPUTS.index(ours)].numpy() for name, ours in SOCA_JACOBIAN.items()},
+                    len(SOCA_INPUTS))
+    with netCDF4.Dataset(out) as per_point, netCDF4.Dataset(theirs) as expected:
+        assert {name: len(d) for name, d in per_point.dimensions.items()} == {
+            name: len(d) for name, d in expected.dimensions.items()} == {"n": len(cells), "n_inputs": 7}
+        assert set(per_point.variables) == set(expected.variables) == {"lat", "lon", "aice", "aice_ffnn",
+                                                                       *SOCA_JACOBIAN}
+        for name, variable in expected.variables.items():
+            ours = per_point.variables[name]
+            assert (ours.dtype, ours.dimensions) == (variable.dtype, variable.dimensions) == (np.float32, ("n",)), name
+            assert np.array_equal(ours[:].data, variable[:].data), name
+        assert per_point["dcdt"].units == "1/K" and per_point["dcdhi"].units == "1/m"
+        assert per_point["aice_ffnn"].standard_name == "sea_ice_area_fraction"
     assert [soca_name(n) for n in ("uocn", "qref", "fswdn")] == ["dcduocn", "dcdqref", "dcdfswdn"]  # not in IceEmul
 
 

@@ -84,6 +84,7 @@ from toolkit.data.ufs_domains import (
     domain_rule,
     mask_kind,
     team_ice,
+    team_latitude,
     thickness_tair_ocean,
 )
 from toolkit.errors import UsageError
@@ -350,11 +351,12 @@ def resolve_variables(
     `domain` decides what "auto" tries (the team's own names) and what its selection reads (SOCA's latitudes, the
     teams' aice); mask "thickness-tair" reads thick and tair instead of a mask variable."""
     rule = domain_rule(domain)
-    thickness_tair = mask_kind(domain, mask) == "thickness-tair"
+    kind = mask_kind(domain, mask)
+    thickness_tair = kind == "thickness-tair"
     found: dict[str, tuple[Source, str]] = {}
     wanted = [(name, "input") for name in inputs] + [(name, "output") for name in outputs]
     needs = ([("aice", "ice fraction (for open water left out)")] if need_ice else []) + (
-        [("aice", f"ice fraction (--domain {domain}'s selection)")] if domain != TOOLKIT else []) + (
+        [("aice", f"ice fraction (--domain {domain}'s selection)")] if domain != TOOLKIT and rule.ice else []) + (
         [("thick", f"ocean cell thickness (--mask thickness-tair: {THICKNESS_TAIR})"),
          ("tair", f"air temperature (--mask thickness-tair: {THICKNESS_TAIR})")] if thickness_tair else [])
     for name, what in needs:
@@ -372,7 +374,7 @@ def resolve_variables(
                 raise ambiguous
         found[name] = hit
     mask_key = ""
-    if mask_variable and not thickness_tair:
+    if mask_variable and kind == "variable":
         tried = list(rule.mask_names) if mask_variable == AUTO else [mask_variable]
         hit = find_variable(sources, tried)
         if hit is None:
@@ -583,15 +585,16 @@ def select_patterns(
     min_abs_lat in the `hemisphere` (north, south or both), with `ice_variable` only cells where it is > 0 (open
     water left out); at most `max_patterns` (or `max_patterns_per_rank` x `world`, the smaller), a keyed subset. A
     team's domain: its own comparisons and cap (mask_variable == 1; SOCA: lat beyond 40 in the hemisphere, 0 < aice
-    <= 1, the first `max_patterns_per_rank` of each of `world` ranks' strides; aibalance: its ice condition, the
-    first `max_patterns` in grid order); `ice_variable` defaults to "aice" there."""
+    <= 1, the first `max_patterns_per_rank` of each of `world` ranks' strides; with clean data: false (soca-unclean)
+    lat beyond 60 alone, no mask, no ice condition; aibalance: its ice condition, the first `max_patterns` in grid
+    order); `ice_variable` defaults to "aice" there (for a team with an ice condition)."""
     rule = domain_rule(domain)
     kind = mask_kind(domain, mask)
     if hemisphere not in HEMISPHERES:
         raise UsageError(f"--hemisphere {hemisphere} is invalid; give one of {', '.join(HEMISPHERES)}")
     team = domain != TOOLKIT
     if team:
-        ice_variable = ice_variable or "aice"
+        ice_variable = (ice_variable or "aice") if rule.ice else ""
     first = (names[0], grid_field(ds, names[0], path))  # every other field's dimensions are matched to its by name
     shape = first[1].shape
     for name in names:
@@ -623,7 +626,7 @@ def select_patterns(
         domain_grid &= thickness_tair_ocean(on_grid("thick", "ocean cell thickness", "--mask thickness-tair"),
                                             on_grid("tair", "air temperature", "--mask thickness-tair"))
         where.append(THICKNESS_TAIR)
-    elif mask_variable:
+    elif mask_variable and kind == "variable":
         values = on_grid(mask_variable, "mask", '--mask-variable; "" for none')
         if team:
             domain_grid &= values == 1
@@ -656,9 +659,10 @@ def select_patterns(
                 f"(e.g. {lat[off_earth][0]:g}) in the cells the mask keeps; latitudes are degrees north: check the "
                 "file, or name the latitude variable with --lat-variable"
             )
-        if team:  # SOCA: lat > 40.0 (north), lat < -40.0 (south), on the stored values
-            domain_grid &= stored > 40.0 if hemisphere == "north" else stored < -40.0
-            where.append(f"{lat_variable} > 40" if hemisphere == "north" else f"{lat_variable} < -40")
+        if team:  # SOCA: lat > 40.0 (north), lat < -40.0 (south), on the stored values; 60 with clean data: false
+            keep, words = team_latitude(domain, hemisphere, stored, lat_variable)
+            domain_grid &= keep
+            where.append(words)
         else:
             lat = np.nan_to_num(lat)
             poleward = {"both": np.abs(lat), "north": lat, "south": -lat}[hemisphere]
@@ -901,10 +905,12 @@ def load_patterns(
     for name, count in zip(names, bad, strict=True):
         if count:
             kind = "input" if name in inputs else "output"
+            unmasked = (f"; --domain {domain} keeps every cell of its latitudes, land too "
+                        f"({domain_rule(domain).summary})" if mask_kind(domain, mask) == "none" else "")
             raise UsageError(
                 f"--data {path}: {kind} field {name!r} has {count} NaN/inf values inside the "
                 f"sea-ice domain ({len(selection.cells)} patterns); fill them or mask those cells "
-                f"(--mask-variable) before training"
+                f"(--mask-variable) before training{unmasked}"
             )
     # netCDF's default fill value (9.97e36 for floats) is what a file holds where nothing was written; without a
     # _FillValue attribute nobody decodes it to NaN, and it would be trained on as a number.

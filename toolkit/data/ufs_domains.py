@@ -4,10 +4,12 @@ toolkit.export.netcdf.selection_options).
 
     toolkit            ours: the mask variable > 0.5 (or --mask thickness-tair), |lat| >= --min-abs-lat in
                        --hemisphere, open water in or out (--no-open-water: aice > 0); a keyed random subset when capped
-    soca               JCSDA SOCA MLBalance/KEmul/IceEmul.h selectData ("clean data"), one model per pole:
+    soca               JCSDA SOCA MLBalance/KEmul/IceEmul.h selectData ("clean data": true), one model per pole:
                        umask == 1, ULAT > 40 (north) or ULAT < -40 (south), 0 < aice <= 1; prepData's cap: each rank
                        takes the first N cells of its stride i = rank, rank + W, ... and all keep the smallest count
                        (MPI_MIN), N = --max-patterns-per-rank
+    soca-unclean       the same selectData with "clean data": false: ULAT > 60 (north) or ULAT < -60 (south), no
+                       mask and no ice condition (land cells too, with whatever the file holds there); the same cap
     aibalance-c710abb  aibalance c710abb ufsemulator/data.py select_data, mask_mode sea_ice, min_ice 0: umask == 1, no
                        latitude bound, not aice < 0; filter_data's cap: the first --max-patterns cells in grid order
     aibalance-b1eccbc  aibalance b1eccbc (HEAD) ufsemulator/data.py on its CF files: 0 < sea_water_cell_thickness <=
@@ -33,7 +35,7 @@ from toolkit.run.randomness import keyed_uniform
 
 AUTO = "auto"
 CAP_COIN = 12  # the purpose of the keyed per-cell coin that picks a capped subset (--domain toolkit)
-MASKS = ("variable", "thickness-tair")
+MASKS = ("variable", "thickness-tair")  # --mask; "none" is a team's (SOCA's clean data: false)
 # aibalance b1eccbc read_netcdf_data_pair: thickness validity and tair bounds
 THICKNESS_RANGE = (0.0, 500.0)  # 0 < thick <= 500 (m)
 TAIR_RANGE = (183.15, 333.15)  # 183.15 <= tair <= 333.15 (K)
@@ -45,12 +47,14 @@ class DomainRule:
     """One team's selection: what it fixes and how it caps."""
 
     summary: str  # the rule in words (help, errors)
-    mask: str | None  # "variable" or "thickness-tair" as the team fixes it; None: --mask decides (toolkit)
+    mask: str | None  # "variable", "thickness-tair" or "none" as the team fixes it; None: --mask decides (toolkit)
     mask_names: tuple[str, ...]  # what --mask-variable auto tries
     lat_names: tuple[str, ...] | None  # what --lat-variable auto tries (None: the toolkit's order)
     uses_lat: bool  # the team bounds the latitude
     pole: bool  # one model per pole: --hemisphere north or south
     cap: str  # "keyed" (a keyed random subset), "first" (first N in grid order), "first-per-rank" (SOCA's)
+    pole_bound: float = 40.0  # a pole's team: lat > bound (north) or lat < -bound (south)
+    ice: bool = True  # a team's ice condition on aice (team_ice); False: none
 
 
 DOMAINS = {
@@ -63,6 +67,11 @@ DOMAINS = {
         "0 < aice <= 1; each rank's first --max-patterns-per-rank cells of its stride, cut to the smallest rank's "
         "count",
         "variable", ("umask",), ("ULAT",), True, True, "first-per-rank"),
+    "soca-unclean": DomainRule(
+        "JCSDA SOCA IceEmul.h selectData with clean data: false, one model per pole: ULAT > 60 (north) or ULAT < -60 "
+        "(south), no mask and no ice condition (land cells too); each rank's first --max-patterns-per-rank cells of "
+        "its stride, cut to the smallest rank's count",
+        "none", (), ("ULAT",), True, True, "first-per-rank", pole_bound=60.0, ice=False),
     "aibalance-c710abb": DomainRule(
         "aibalance c710abb select_data (mask_mode sea_ice): umask == 1, no latitude bound, aice >= 0 (not aice < 0); "
         "the first --max-patterns cells in grid order",
@@ -85,7 +94,7 @@ def domain_rule(domain: str) -> DomainRule:
 
 
 def mask_kind(domain: str, mask: str) -> str:
-    """The mask in effect: the team's own, else --mask."""
+    """The mask in effect: the team's own ("none" for SOCA's clean data: false), else --mask."""
     if mask not in MASKS:
         raise UsageError(f"--mask {mask} is invalid; give variable (the --mask-variable's cells) or thickness-tair "
                          f"({THICKNESS_TAIR})")
@@ -109,6 +118,9 @@ def check_domain(domain: str, **flags) -> None:
     use = "; give --domain toolkit to choose it yourself"
     if flags["mask"] != DEFAULTS["mask"]:
         raise UsageError(f"--mask {flags['mask']}: {team}{use}")
+    if kind == "none" and flags["mask_variable"] != AUTO:
+        raise UsageError(f"--mask-variable {flags['mask_variable']!r}: {team}; it reads no mask: leave "
+                         f"--mask-variable out{use}")
     if rule.mask == "variable" and not flags["mask_variable"]:
         raise UsageError(f"--mask-variable '': {team}; it needs its mask variable ({rule.mask_names[0]} == 1): give "
                          f"its name in the file{use}")
@@ -137,8 +149,17 @@ def thickness_tair_ocean(thick: np.ndarray, tair: np.ndarray) -> np.ndarray:
         tair <= TAIR_RANGE[1])
 
 
+def team_latitude(domain: str, hemisphere: str, lat: np.ndarray, name: str) -> tuple[np.ndarray, str]:
+    """A pole's team's latitude condition on the stored values (SOCA: lat > 40.0 north, lat < -40.0 south; with
+    clean data: false, 60.0) and its words."""
+    bound = domain_rule(domain).pole_bound
+    if hemisphere == "north":
+        return lat > bound, f"{name} > {bound:g}"
+    return lat < -bound, f"{name} < {-bound:g}"
+
+
 def team_ice(domain: str, aice: np.ndarray) -> tuple[np.ndarray, str]:
-    """The team's ice condition on aice (as stored) and its words."""
+    """The team's ice condition on aice (as stored) and its words (a team with ice=False has none: not called)."""
     if domain == "soca":
         return (aice > 0.0) & (aice <= 1.0), "0 < aice <= 1"
     if domain == "aibalance-c710abb":

@@ -351,12 +351,19 @@ def file_attributes(title: str, source: str, data: Path, atmos: Path | None, cli
     }
 
 
-def write_whole(dataset, out: Path, encoding: dict) -> None:
-    """Written to a temporary sibling and renamed: a reader never sees half a file."""
+def write_whole(dataset, out: Path, encoding: dict, dimensions: dict | None = None) -> None:
+    """Written to a temporary sibling and renamed: a reader never sees half a file. `dimensions` {name: size}: more
+    dimensions in the file, which no variable uses (SOCA's n_inputs)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         dataset.to_netcdf(partial, engine="netcdf4", encoding=encoding)
+        if dimensions:
+            import netCDF4
+
+            with netCDF4.Dataset(partial, "a") as written:
+                for name, size in dimensions.items():
+                    written.createDimension(name, size)
         partial.replace(out)
     finally:
         partial.unlink(missing_ok=True)
@@ -425,10 +432,11 @@ def soca_name(name: str) -> str:
 
 def write_soca(out: Path, domain: Domain, predictions: torch.Tensor, jacobian: torch.Tensor, meta: dict,
                source: str, data: Path, clipped: dict | None = None, atmos: Path | None = None) -> None:
-    """SOCA's per-point file (MLBalance/KEmul IceEmul.h's predict): dimension n (the domain's cells, in the grid's
-    order), lon and lat per point, the truth aice (where the input holds it), the emulated aice_ffnn, and the
-    Jacobian as dc/d<input> (soca_name: dcdt = d aice / d sst, dcds, dcdsi, dcdtair, dcdtsfc, dcdhi, dcdhs, ...),
-    physical units, float64. Whole or not at all."""
+    """SOCA's per-point file as IceEmul.h's predict writes it (netCDF::NcFile, replace): the dimensions n (the
+    domain's cells, in the grid's order) and n_inputs (the model's inputs; no variable uses it), every variable
+    float32 (ncFloat) on n: lon and lat per point, the truth aice (where the input holds it), the emulated
+    aice_ffnn, and the Jacobian as dc/d<input> (soca_name: dcdt = d aice / d sst, dcds, dcdsi, dcdtair, dcdtsfc,
+    dcdhi, dcdhs, ...), physical units. Whole or not at all."""
     xr = extras.xarray()
     inputs, units = meta["inputs"], meta.get("units") or {}
     clipped = clipped or {}
@@ -458,7 +466,8 @@ def write_soca(out: Path, domain: Domain, predictions: torch.Tensor, jacobian: t
                                            "aice_ffnn and dc/d<input>", source, data, atmos, clipped, len(cells),
                                            domain.where))
     per_point.attrs["jacobian_names"] = ", ".join(f"{soca_name(name)} = d aice / d {name}" for name in inputs)
-    write_whole(per_point, out, {name: {"_FillValue": None, "dtype": "float64"} for name in variables})
+    encoding = {name: {"_FillValue": None, "dtype": "float32"} for name in variables}
+    write_whole(per_point, out, encoding, dimensions={"n_inputs": len(inputs)})
 
 
 def map_fields(meta: dict, domain: Domain, predictions: torch.Tensor, jacobian: torch.Tensor) -> list:
