@@ -245,7 +245,15 @@ def test_the_recipe_trains_from_a_generated_pair(tmp_path):
     result = run_recipe(["--data", str(tmp_path / "ocean.nc"), "--data-atmos", str(tmp_path / "atmos.nc"),
                          "--domain", "aibalance-b1eccbc", "--epochs", "1", "--batch-size", "100", "--log-with", "csv",
                          "--output-dir", str(out)], recipe="ufs_emulator")
-    assert LEVELS_LINE in result.stdout and "sst<-sea_water_potential_temperature" in result.stdout
+    lines = result.stdout.splitlines()
+    zeroed = lines.index(
+        "zeroed: sice, uocn, vocn, flwdn, fswdn are 0 in every pattern, as --domain aibalance-b1eccbc's reader gives "
+        "them (aibalance b1eccbc read_netcdf_data_pair reads none of them and filter_data fills them with zeros), "
+        "whatever the files hold; --domain toolkit (--mask thickness-tair) reads them")
+    assert lines[zeroed - 1].startswith("variables: sst<-sea_water_potential_temperature") and "sice<-0" in lines[
+        zeroed - 1]  # said at the start, before the data's size and the model
+    assert lines[zeroed + 1] == ("levels: sst, sss, hi, hs, aice, thick from --data at index 0 of 'lev' (2 levels; the "
+                                 "ocean surface, as aibalance reads it)")
     assert "domain (aibalance-b1eccbc): 0 < thick <= 500 and 183.15 <= tair <= 333.15 and aice > 0" in result.stdout
     recorded = read_json(out / "config.json")
     assert recorded["config"]["domain"] == "aibalance-b1eccbc" and recorded["data"]["where"].endswith("aice > 0")

@@ -17,7 +17,16 @@ import xarray as xr
 from accelerate import Accelerator
 from conftest import load_recipe
 
-from toolkit.data.ufs import CICE_NAMES, DEFAULT_INPUTS, load_patterns, open_fields, select_patterns, synthesize
+from toolkit.data.ufs import (
+    CICE_NAMES,
+    DEFAULT_INPUTS,
+    describe_layout,
+    describe_variables,
+    load_patterns,
+    open_fields,
+    select_patterns,
+    synthesize,
+)
 from toolkit.data.ufs_domains import DOMAINS
 from toolkit.errors import UsageError
 from toolkit.export.netcdf import selection_options
@@ -139,6 +148,84 @@ def b1eccbc_cells(ocean, atmos, max_patterns):
     mask = ((thick > 0.0) & (thick <= 500.0) & (tair >= 183.15) & (tair <= 333.15)).astype(np.int32)
     valid = (mask == 1) & (aice > 0.0)
     return np.where(valid)[0][:max_patterns]
+
+
+def b1eccbc_reader(atm_file, ocn_file, input_variables, output_variables=("aice",), min_ice=0.0,
+                   max_patterns=400000):
+    """aibalance b1eccbc ufsemulator/data.py IceDataPreparer.read_netcdf_data_pair and filter_data (mask_mode
+    "sea_ice"), transcribed with its cf_mappings.py: (patterns, targets) float32; an input it reads nothing for is
+    `data.get(name, zeros)`."""
+    import netCDF4 as nc
+
+    cf_atm = {"lat": "latitude", "lon": "longitude", "tair": "air_temperature", "uatm": "eastward_wind",
+              "vatm": "northward_wind", "tsfc": "skin_temperature_at_surface",
+              "qref": "water_vapor_mixing_ratio_wrt_moist_air"}
+    cf_ocn = {"sst": "sea_water_potential_temperature", "sss": "sea_water_salinity", "aice": "sea_ice_area_fraction",
+              "hi": "sea_ice_thickness", "hs": "sea_ice_snow_thickness", "thick": "sea_water_cell_thickness"}
+    da, do = nc.Dataset(atm_file, "r"), nc.Dataset(ocn_file, "r")
+    data = {}
+    lat = da.variables[cf_atm["lat"]][:].astype(np.float32)
+    lon = da.variables[cf_atm["lon"]][:].astype(np.float32)
+    data["lat"] = np.repeat(lat[:, None], lon.size, axis=1).flatten()
+    data["lon"] = np.repeat(lon[None, :], lat.size, axis=0).flatten()
+    tair_var = da.variables[cf_atm["tair"]]
+    for key in ("tair", "uatm", "vatm", "tsfc", "qref"):
+        values = da.variables[cf_atm[key]][:]
+        if len(tair_var.shape) == 3:
+            values = values[:, :, tair_var.shape[2] - 1]
+        data[key] = values.astype(np.float32).flatten()
+    for key in ("sst", "sss", "aice", "hi", "hs", "thick"):
+        data[key] = do.variables[cf_ocn[key]][:][:, :, 0].astype(np.float32).flatten()
+    data["mask"] = ((data["thick"] > 0.0) & (data["thick"] <= 500.0) &
+                    (data["tair"] >= 183.15) & (data["tair"] <= 333.15)).astype(np.int32)
+    da.close()
+    do.close()
+    valid = (data["mask"] == 1) & (data["aice"] > min_ice)
+    indices = np.where(valid)[0][:max_patterns]
+    patterns = np.zeros((len(indices), len(input_variables)), dtype=np.float32)
+    targets = np.zeros((len(indices), len(output_variables)), dtype=np.float32)
+    for j, name in enumerate(input_variables):
+        patterns[:, j] = data.get(name, np.zeros(len(data["lat"]), dtype=np.float32))[indices]
+    for j, name in enumerate(output_variables):
+        targets[:, j] = data.get(name, np.zeros(len(data["lat"]), dtype=np.float32))[indices]
+    return patterns, targets
+
+
+def pattern_rows(*arrays):
+    """Rows of [inputs, targets] as a sorted float64 array: the same set whatever the split into training and
+    validation."""
+    x = np.concatenate([np.asarray(a, dtype=np.float64) for a in arrays], axis=0)
+    return x[np.lexsort(x.T[::-1])]
+
+
+def ours(patterns):
+    return pattern_rows(np.concatenate([patterns.train_inputs, patterns.train_targets], 1),
+                        np.concatenate([patterns.valid_inputs, patterns.valid_targets], 1))
+
+
+def test_b1eccbc_trains_on_what_its_reader_gives_zeros_included(pair):
+    """aibalance b1eccbc's reader gives sice, uocn, vocn, flwdn, fswdn as 0 though the pair holds them: so does
+    --domain aibalance-b1eccbc (the same patterns, value for value), and says so."""
+    ocean_path, atmos_path = pair
+    patterns, targets = b1eccbc_reader(atmos_path, ocean_path, list(DEFAULT_INPUTS))
+    zeroed = ["sice", "uocn", "vocn", "flwdn", "fswdn"]
+    loaded = load_patterns(Accelerator(cpu=True), ocean_path, atmos_path=atmos_path, domain="aibalance-b1eccbc")
+    assert np.array_equal(ours(loaded), pattern_rows(np.concatenate([patterns, targets], 1)))
+    assert all(not patterns[:, DEFAULT_INPUTS.index(name)].any() for name in zeroed) and len(patterns) > 500
+    with xr.open_dataset(ocean_path) as ocean, xr.open_dataset(atmos_path) as atmos:  # the files hold them
+        assert float(ocean["sea_ice_salinity"][:, :, 0].max()) > 1 and float(atmos[
+            "surface_downwelling_longwave_flux_in_air"].max()) > 100
+    meta = loaded.meta
+    assert meta["zeroed"] == zeroed and "sice" not in meta["variables"] and "sice<-0" in describe_variables(meta)
+    assert describe_layout(meta)[0].startswith("zeroed: sice, uocn, vocn, flwdn, fswdn are 0 in every pattern, as "
+                                               "--domain aibalance-b1eccbc's reader gives them")
+    assert loaded.input_std[DEFAULT_INPUTS.index("sice")] == 1 and loaded.input_mean[DEFAULT_INPUTS.index("sice")] == 0
+    plain = load_patterns(Accelerator(cpu=True), ocean_path, atmos_path=atmos_path, mask="thickness-tair",
+                          min_abs_lat=0.0, open_water=False)  # ours reads them: other patterns, another fingerprint
+    assert plain.meta["zeroed"] == [] and plain.fingerprint != loaded.fingerprint
+    assert loaded.fingerprint.endswith("/zeroed=sice,uocn,vocn,flwdn,fswdn")
+    with pytest.raises(UsageError, match="--variables sice=x: --domain aibalance-b1eccbc's reader reads no sice"):
+        load_patterns(Accelerator(cpu=True), "/no/such.nc", domain="aibalance-b1eccbc", variables={"sice": "x"})
 
 
 # ---- the domains against them -----------------------------------------------------------------------------------

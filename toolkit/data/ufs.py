@@ -14,7 +14,9 @@ are reported in one line (`describe_variables`). The inputs may come from two fi
 read as ufs_cf describes: the surface level, the axes broadcast, the pair matched by coordinate value.
 
 The patterns are the cells of the sea-ice domain, selected as `--domain` says (ufs_domains: toolkit, soca,
-aibalance-c710abb, aibalance-b1eccbc; a team's domain is its code's rule and cap). Ours (toolkit): ocean (the mask
+soca-unclean, aibalance-c710abb, aibalance-b1eccbc; a team's domain is its code's rule and cap, and its reader's
+inputs: aibalance-b1eccbc's reader reads no sice, uocn, vocn, flwdn or fswdn and gives them 0, and so do we,
+whatever the files hold, said in one line). Ours (toolkit): ocean (the mask
 variable, `tmask` or `umask`, "auto" tries those; or `--mask thickness-tair`, aibalance's), poleward of
 `--min-abs-lat` in one hemisphere or both (from the latitude variable, `TLAT` with tmask, `ULAT` with umask),
 optionally without open water (aice > 0 only); thinned to every `--thin`-th cell, capped at `--max-patterns`
@@ -81,11 +83,13 @@ from toolkit.data.ufs_domains import (
     cap_cells,
     check_domain,
     depends_on_world,
+    describe_zeroed,
     domain_rule,
     mask_kind,
     team_ice,
     team_latitude,
     thickness_tair_ocean,
+    zeroed_inputs,
 )
 from toolkit.errors import UsageError
 from toolkit.process import extras
@@ -345,22 +349,24 @@ def resolve_variables(
     need_ice: bool = False,
     domain: str = TOOLKIT,
     mask: str = "variable",
+    zeroed=(),
 ) -> tuple[dict[str, tuple[Source, str]], str, str]:
     """Find every field, the mask and the latitudes: ({our name or the mask/latitude name: (file, name there)},
     mask key ("" = none), latitude key ("" = not needed)). A name not found is one error naming the names tried.
     `domain` decides what "auto" tries (the team's own names) and what its selection reads (SOCA's latitudes, the
-    teams' aice); mask "thickness-tair" reads thick and tair instead of a mask variable."""
+    teams' aice); mask "thickness-tair" reads thick and tair instead of a mask variable, a team's "none" no mask.
+    `zeroed` inputs are not looked for (the domain's reader gives them as 0: ufs_domains.zeroed_inputs)."""
     rule = domain_rule(domain)
     kind = mask_kind(domain, mask)
     thickness_tair = kind == "thickness-tair"
     found: dict[str, tuple[Source, str]] = {}
-    wanted = [(name, "input") for name in inputs] + [(name, "output") for name in outputs]
+    wanted = [(name, "input") for name in inputs if name not in zeroed] + [(name, "output") for name in outputs]
     needs = ([("aice", "ice fraction (for open water left out)")] if need_ice else []) + (
         [("aice", f"ice fraction (--domain {domain}'s selection)")] if domain != TOOLKIT and rule.ice else []) + (
         [("thick", f"ocean cell thickness (--mask thickness-tair: {THICKNESS_TAIR})"),
          ("tair", f"air temperature (--mask thickness-tair: {THICKNESS_TAIR})")] if thickness_tair else [])
     for name, what in needs:
-        if name not in (*inputs, *outputs) and name not in dict(wanted):
+        if name not in dict(wanted):  # read for the selection (a zeroed input too: the selection sees the file's)
             wanted.append((name, what))
     for name, what in wanted:
         tried = candidate_names(name, variables)
@@ -478,8 +484,8 @@ def check_same_grid(sources: list[Source], found: dict[str, tuple[Source, str]],
 def describe_variables(meta: dict) -> str:
     """One line: our name <- the name found, for every field, the mask and the latitudes (the teams' files use
     CICE history names; this says which were taken)."""
-    names = meta["variables"]
-    parts = [f"{name}<-{names[name]}" for name in [*meta["inputs"], *meta["outputs"]]]
+    names, zeroed = meta["variables"], meta.get("zeroed") or []
+    parts = [f"{name}<-{'0' if name in zeroed else names[name]}" for name in [*meta["inputs"], *meta["outputs"]]]
     parts += [f"{name}<-{variable}" for name, variable in (meta.get("selection_variables") or {}).items()]
     parts += [f"{what}<-{meta[key]}" for what, key in (("mask", "mask_variable"), ("lat", "lat_variable"))
               if meta.get(key)]
@@ -489,9 +495,11 @@ def describe_variables(meta: dict) -> str:
 
 
 def describe_layout(meta: dict) -> list[str]:
-    """The lines that say how the files were read and which cells are patterns: the level taken of fields with a
-    level dimension, the atmosphere's cells matched to the ocean's by coordinate value, and the domain's rule."""
-    lines = [meta[key] for key in ("levels", "reordered") if meta.get(key)]
+    """The lines that say how the files were read and which cells are patterns: first the inputs given as 0 (the
+    domain's reader reads none of them), then the level taken of fields with a level dimension, the atmosphere's
+    cells matched to the ocean's by coordinate value, and the domain's rule."""
+    zeroed = describe_zeroed(meta.get("domain", TOOLKIT), meta.get("zeroed") or [])
+    lines = [line for line in (zeroed, *(meta.get(key) for key in ("levels", "reordered"))) if line]
     if meta.get("where"):
         lines.append(f"domain ({meta.get('domain', TOOLKIT)}): {meta['where']}")
     return lines
@@ -781,22 +789,24 @@ def patterns_fingerprint(path: Path, atmos_path: Path | None, meta: dict, thin: 
                          max_patterns_per_rank: int, depends_on_world: bool | None = None) -> str:
     """What the patterns are made from: the content of both files (either changing changes the data) and, when a cap
     that depends on the process count cut the domain (--max-patterns-per-rank; SOCA's per rank), the number taken
-    (another process count is another subset, which a resume must refuse). The selection flags themselves are
-    config.json's, compared on resume."""
+    (another process count is another subset, which a resume must refuse), and the inputs given as 0 (zeroed). The
+    selection flags themselves are config.json's, compared on resume."""
     fingerprint = file_fingerprint(path, FORMAT_VERSION)
     if atmos_path is not None:
         fingerprint += "+" + file_fingerprint(atmos_path, FORMAT_VERSION)
     per_world = bool(max_patterns_per_rank) if depends_on_world is None else depends_on_world
     if per_world and meta["patterns"] < math.ceil(meta["domain_cells"] / thin):
         fingerprint += f"/{meta['patterns']}"
+    if meta.get("zeroed"):  # the same files give other patterns when inputs are 0 (a run from before: refused)
+        fingerprint += f"/zeroed={','.join(meta['zeroed'])}"
     return fingerprint
 
 
 @dataclass
 class Fields:
     """What open_fields found: the view (keys: our names, the mask's and the latitude's names), {key: (file, name
-    there)}, the mask and latitude keys ("" = none), the levels read, the line on a reordered atmosphere, and the
-    label of the file(s) for messages."""
+    there)}, the mask and latitude keys ("" = none), the levels read, the line on a reordered atmosphere, the label
+    of the file(s) for messages, and the inputs given as 0 (zeroed)."""
 
     view: FieldView
     found: dict
@@ -805,15 +815,27 @@ class Fields:
     levels: dict
     reordered: str
     label: str
+    zeroed: list = field(default_factory=list)
+
+
+def zero_fields(view: FieldView, zeroed, like: str, path) -> None:
+    """Each of `zeroed` as a field of zeros on the grid of view[like] (float32, no units): what a reader that reads
+    none of them hands the training (aibalance b1eccbc's filter_data)."""
+    xr = extras.xarray()
+    grid = grid_field(view, like, path)
+    for name in zeroed:
+        view.variables[name] = xr.DataArray(np.zeros(grid.shape, dtype=np.float32), dims=grid.dims, attrs={
+            "long_name": f"{name}: 0 at every cell (the domain's reader reads no {name})"})
 
 
 @contextlib.contextmanager
 def open_fields(path: Path | str, atmos_path: Path | str | None = None, *, inputs=DEFAULT_INPUTS,
                 outputs=DEFAULT_OUTPUTS, variables: dict[str, str] | None = None, mask_variable: str = AUTO,
                 lat_variable: str = AUTO, need_lat: bool = True, need_ice: bool = False, domain: str = TOOLKIT,
-                mask: str = "variable"):
+                mask: str = "variable", zeroed=()):
     """The file (and the atmosphere file) open, every variable found (resolve_variables) and read as training reads
-    it (field_view: surface levels, Gaussian axes broadcast, the pair matched by coordinate value): a Fields, for
+    it (field_view: surface levels, Gaussian axes broadcast, the pair matched by coordinate value), the `zeroed`
+    inputs as fields of 0 (zero_fields): a Fields, for
     select_patterns and read_shard. Closed on exit."""
     path = Path(path).expanduser()
     with contextlib.ExitStack() as files:
@@ -824,10 +846,27 @@ def open_fields(path: Path | str, atmos_path: Path | str | None = None, *, input
                                   files.enter_context(open_dataset(atmos_path, "--data-atmos"))))
         found, mask_key, lat = resolve_variables(sources, list(inputs), list(outputs), variables=variables,
                                                  mask_variable=mask_variable, lat_variable=lat_variable,
-                                                 need_lat=need_lat, need_ice=need_ice, domain=domain, mask=mask)
+                                                 need_lat=need_lat, need_ice=need_ice, domain=domain, mask=mask,
+                                                 zeroed=zeroed)
         view, levels, reordered = field_view(sources, found, mask_key, lat)
         label = f"{path} (with --data-atmos {atmos_path})" if atmos_path is not None else str(path)
-        yield Fields(view, found, mask_key, lat, levels, reordered, label)
+        first = next((name for name in [*inputs, *outputs] if name in found), None)
+        if zeroed:
+            zero_fields(view, zeroed, first, label)
+        yield Fields(view, found, mask_key, lat, levels, reordered, label, list(zeroed))
+
+
+def check_zeroed(domain: str, zeroed, outputs_not_read, variables: dict[str, str] | None) -> None:
+    """One line, before any file is read, for a choice the domain's reader cannot honour: an output it does not read
+    (its target would be 0 everywhere), a --variables name for an input it gives as 0."""
+    if outputs_not_read:
+        name = outputs_not_read[0]
+        raise UsageError(f"--outputs {name}: --domain {domain}'s reader reads no {name} (its target would be 0 at "
+                         "every pattern); give --domain toolkit to train on the file's")
+    named = [name for name in zeroed if variables and name in variables]
+    if named:
+        raise UsageError(f"--variables {named[0]}={variables[named[0]]}: --domain {domain}'s reader reads no "
+                         f"{named[0]} and trains on 0 for it; leave it out, or give --domain toolkit to read it")
 
 
 def load_patterns(
@@ -860,21 +899,25 @@ def load_patterns(
     False leaves aice <= 0 out; a cap of `max_patterns`, or of `max_patterns_per_rank` x the process count, the
     smaller), read this rank's strided share, refuse NaNs (counted over all ranks), merge the training statistics
     over the ranks (float64 count/mean/M2; a std below 1e-6 becomes 1), then assemble every shard in pattern order
-    on every rank. A collective: every rank calls it."""
+    on every rank. The inputs that the domain's reader does not read are 0 in every pattern, as that reader gives
+    them (aibalance-b1eccbc: sice, uocn, vocn, flwdn, fswdn; ufs_domains.zeroed_inputs), said in meta["zeroed"] and
+    a line of describe_layout. A collective: every rank calls it."""
     from toolkit.run.distributed import merge_moments, std_from_moments
 
     check_domain(domain, mask=mask, mask_variable=mask_variable, lat_variable=lat_variable, min_abs_lat=min_abs_lat,
                  hemisphere=hemisphere, open_water=open_water, max_patterns=max_patterns,
                  max_patterns_per_rank=max_patterns_per_rank)
-    path = data_path = Path(path).expanduser()
     inputs, outputs = list(inputs), list(outputs)
+    zeroed = zeroed_inputs(domain, inputs)
+    check_zeroed(domain, zeroed, zeroed_inputs(domain, outputs), variables)
+    path = data_path = Path(path).expanduser()
     rank, world = accelerator.process_index, accelerator.num_processes
     cap = min((c for c in (max_patterns, max_patterns_per_rank * world) if c), default=0)
     toolkit_domain = domain == TOOLKIT
     with open_fields(path, atmos_path, inputs=inputs, outputs=outputs, variables=variables,
                      mask_variable=mask_variable, lat_variable=lat_variable,
                      need_lat=toolkit_domain and (min_abs_lat > 0 or hemisphere != "both"), need_ice=not open_water,
-                     domain=domain, mask=mask) as fields:
+                     domain=domain, mask=mask, zeroed=zeroed) as fields:
         ds, found, mask_key, lat, path = fields.view, fields.found, fields.mask_key, fields.lat, fields.label
         atmos_path = None if atmos_path is None else Path(atmos_path).expanduser()
         names = inputs + outputs
@@ -971,10 +1014,13 @@ def load_patterns(
         "train_patterns": len(train),
         "valid_patterns": len(valid),
         "attributes": attributes,
-        "variables": {name: found[name][1] for name in names},
+        "variables": {name: found[name][1] for name in names if name not in zeroed},
+        "zeroed": zeroed,  # inputs given as 0 in every pattern, as the domain's reader gives them
         # what only the selection reads (thick for --mask thickness-tair; aice for a team's domain when not an output)
-        "selection_variables": {key: var for key, (_, var) in found.items() if key not in (*names, mask_key, lat)},
-        "from_atmosphere": [name for name in names if found[name][0].flag == "--data-atmos"],
+        "selection_variables": {key: var for key, (_, var) in found.items()
+                                if key not in (*names, mask_key, lat) or key in zeroed},
+        "from_atmosphere": [name for name in names if name in found and name not in zeroed
+                            and found[name][0].flag == "--data-atmos"],
         "mask_variable": mask_key,
         "lat_variable": lat,
         "hemisphere": hemisphere,

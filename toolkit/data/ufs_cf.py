@@ -11,7 +11,11 @@ What the reader does with them (toolkit.data.ufs builds its view of the fields h
   aibalance's `nlevs - 1`); one line says which (`describe_levels`); a level dimension of length 0 is refused;
 - with two Gaussian files, the atmosphere's fields are matched to the ocean's cells by latitude and longitude VALUE,
   not position: latitudes in the other order, longitudes -180 .. 180 against 0 .. 360 are read right (and said
-  in one line); coordinates that are not the same set (to 1e-3 degrees, longitudes modulo 360) are refused.
+  in one line); coordinates that are not the same set (to 1e-3 degrees, longitudes modulo 360) are refused;
+- which inputs are read is the domain's: aibalance's reader takes sst, sss, hi, hs, aice and the thickness from the
+  ocean file and tair, uatm, vatm, tsfc, qref from the atmosphere's, and gives sice, uocn, vocn, flwdn and fswdn as
+  0 at every pattern (--domain aibalance-b1eccbc does too: ufs_domains.zeroed_inputs); our other domains read every
+  input the files hold under the names below.
 
 The generator's `--layout gaussian-cf` writes such a pair (`write_gaussian_cf`).
 """
@@ -26,8 +30,11 @@ import numpy as np
 from toolkit.errors import UsageError
 from toolkit.process import extras
 
-# aibalance b1eccbc cf_mappings.py (CF_OCN, CF_ATM), our name -> the CF name its files use. flwdn and fswdn are not
-# there (aibalance then trains on zeros for them); the generator writes them under their CF standard names.
+# aibalance b1eccbc cf_mappings.py (CF_OCN, CF_ATM), our name -> the CF name its files use; flwdn and fswdn are not
+# there, and the generator writes them under their CF standard names. What aibalance's reader (read_netcdf_data_pair)
+# reads is less than this map: sst, sss, aice, hi, hs, thick from the ocean file and tair, uatm, vatm, tsfc, qref from
+# the atmosphere's; it reads no sice, uocn, vocn, flwdn or fswdn, and its filter_data gives each of them 0 at every
+# pattern. --domain aibalance-b1eccbc does the same (ufs_domains.zeroed_inputs); the other domains read them here.
 AIBALANCE_CF = {
     "sst": "sea_water_potential_temperature",
     "sss": "sea_water_salinity",

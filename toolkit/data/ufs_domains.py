@@ -14,7 +14,10 @@ toolkit.export.netcdf.selection_options).
                        latitude bound, not aice < 0; filter_data's cap: the first --max-patterns cells in grid order
     aibalance-b1eccbc  aibalance b1eccbc (HEAD) ufsemulator/data.py on its CF files: 0 < sea_water_cell_thickness <=
                        500 and 183.15 <= tair <= 333.15 (read_netcdf_data_pair's mask), aice > 0 (mask_mode sea_ice);
-                       the first --max-patterns cells in grid order
+                       the first --max-patterns cells in grid order. Its reader reads sst, sss, hi, hs, aice, thick
+                       from the ocean file and tair, uatm, vatm, tsfc, qref from the atmosphere file, nothing else:
+                       filter_data gives every other input 0 (`data.get(name, zeros)`), so sice, uocn, vocn, flwdn
+                       and fswdn are zeros whatever the files hold (`zeroed_inputs`), and so they are here
 
 A team's comparisons are taken as its code writes them (== 1, not > 0.5; > 40, not >= 40; a NaN fails each of
 them), on the values as stored (float32 compared with the literal, as numpy and C++ compare them). The flags that a
@@ -40,6 +43,8 @@ MASKS = ("variable", "thickness-tair")  # --mask; "none" is a team's (SOCA's cle
 THICKNESS_RANGE = (0.0, 500.0)  # 0 < thick <= 500 (m)
 TAIR_RANGE = (183.15, 333.15)  # 183.15 <= tair <= 333.15 (K)
 THICKNESS_TAIR = "0 < thick <= 500 and 183.15 <= tair <= 333.15"
+# aibalance b1eccbc read_netcdf_data_pair: what it reads (our names); filter_data fills any other input with zeros
+B1ECCBC_READS = ("sst", "sss", "aice", "hi", "hs", "thick", "tair", "uatm", "vatm", "tsfc", "qref")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class DomainRule:
     cap: str  # "keyed" (a keyed random subset), "first" (first N in grid order), "first-per-rank" (SOCA's)
     pole_bound: float = 40.0  # a pole's team: lat > bound (north) or lat < -bound (south)
     ice: bool = True  # a team's ice condition on aice (team_ice); False: none
+    reads: tuple[str, ...] | None = None  # the inputs the team's reader reads; any other is 0 (None: every input)
 
 
 DOMAINS = {
@@ -78,8 +84,9 @@ DOMAINS = {
         "variable", ("umask", "mask", "land_mask", "ocean_mask"), None, False, False, "first"),
     "aibalance-b1eccbc": DomainRule(
         f"aibalance b1eccbc (HEAD) on CF files: {THICKNESS_TAIR} (thick: sea_water_cell_thickness at the surface "
-        "level), aice > 0, no latitude bound; the first --max-patterns cells in grid order",
-        "thickness-tair", (), None, False, False, "first"),
+        "level), aice > 0, no latitude bound; the first --max-patterns cells in grid order; sice, uocn, vocn, flwdn "
+        "and fswdn are 0, as its reader gives them",
+        "thickness-tair", (), None, False, False, "first", reads=B1ECCBC_READS),
 }
 TOOLKIT = "toolkit"
 # Flag defaults (the recipe's and load_patterns'): a team's domain refuses any other value of a flag it fixes.
@@ -156,6 +163,23 @@ def team_latitude(domain: str, hemisphere: str, lat: np.ndarray, name: str) -> t
     if hemisphere == "north":
         return lat > bound, f"{name} > {bound:g}"
     return lat < -bound, f"{name} < {-bound:g}"
+
+
+def zeroed_inputs(domain: str, names) -> list[str]:
+    """Our `names` that `domain`'s reader does not read and so trains on as 0 (aibalance b1eccbc: every name but
+    B1ECCBC_READS, its filter_data's `data.get(name, zeros)`); [] for a domain whose reader reads every input."""
+    reads = domain_rule(domain).reads
+    return [] if reads is None else [name for name in names if name not in reads]
+
+
+def describe_zeroed(domain: str, zeroed) -> str:
+    """One line: which inputs are 0 in every pattern, and why; "" when none."""
+    if not zeroed:
+        return ""
+    return (f"zeroed: {', '.join(zeroed)} {'is' if len(zeroed) == 1 else 'are'} 0 in every pattern, as --domain "
+            f"{domain}'s reader gives {'it' if len(zeroed) == 1 else 'them'} (aibalance b1eccbc read_netcdf_data_pair "
+            "reads none of them and filter_data fills them with zeros), whatever the files hold; --domain toolkit "
+            "(--mask thickness-tair) reads them")
 
 
 def team_ice(domain: str, aice: np.ndarray) -> tuple[np.ndarray, str]:
