@@ -63,13 +63,15 @@ def quietly(function, *args):
         return function(*args)
 
 
-def assert_equals_model(predict, jac, jac_physical, model: UfsEmulator, x: torch.Tensor) -> None:
+def assert_equals_model(predict, jac, jac_physical, model: UfsEmulator, x: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> None:
     """An artefact's predict (physical), jac (normalised) and jac_physical equal the model's predict and autograd
-    Jacobian (UfsEmulator.jacobian) to 1e-6, relative to each input's largest entry."""
+    Jacobian (UfsEmulator.jacobian) to 1e-6, relative to each input's largest entry; all in `dtype` (aibalance's
+    layout: float32, as its float32 module returns them)."""
     physical = model.jacobian(x)
     normalised = physical * model.input_std / model.output_std[:, None]
     predictions, jacobian, jacobian_physical = predict(x), jac(x), jac_physical(x)
-    assert predictions.dtype == jacobian.dtype == jacobian_physical.dtype == torch.float64
+    assert predictions.dtype == jacobian.dtype == jacobian_physical.dtype == dtype
     assert predictions.shape == (len(x), model.output_mean.numel())
     assert jacobian.shape == jacobian_physical.shape == physical.shape
     assert relative(predictions, model.predict(x)) < 1e-6
@@ -111,28 +113,70 @@ def soca_export(trained_run):
     return out
 
 
+# aibalance b1eccbc cf_mappings.py CF_ATM (its atmosphere; with our two fluxes) and CF_OCN: the levels its export
+# gives them, nlevs - 1 (127 by default: data.py's atm_level_index) and 0
+ATMOSPHERE = {"tair", "uatm", "vatm", "tsfc", "qref", "flwdn", "fswdn"}
+
+
+def aibalance_cpp_reads(module) -> dict:
+    """What aibalance's ufs_emulator.cpp (b1eccbc) reads of a module, transcribed: input_names (toListRef of
+    strings), input_levels (toInt), output_names, output_levels, meta (toGenericDict, each value toString), then
+    forward on a float32 [1, input_size] and its Jacobian by backward through forward, one output at a time."""
+    read = {"input_names": [str(v) for v in module.input_names], "input_levels": [int(v) for v in module.input_levels],
+            "output_names": [str(v) for v in module.output_names],
+            "output_levels": [int(v) for v in module.output_levels]}
+    assert all(isinstance(key, str) and isinstance(value, str) for key, value in module.meta.items())  # toString
+    read["meta"] = dict(module.meta)
+    x = torch.randn(1, len(read["input_names"]), dtype=torch.float)
+    y = module.forward(x)
+    x_req = x.detach().clone().requires_grad_(True)
+    y2 = module.forward(x_req)
+    rows = []
+    for i in range(y2.size(1)):
+        if x_req.grad is not None:
+            x_req.grad.zero_()
+        grad_out = torch.zeros_like(y2)
+        grad_out[0, i] = 1.0
+        y2.backward(grad_out, retain_graph=True)
+        rows.append(x_req.grad.detach().clone())
+    read.update(x=x, output=y, jacobian=torch.stack(rows).squeeze(1))
+    return read
+
+
 def test_aibalance_layout_predicts_as_the_model(trained_run, torchscript_export):
     run_dir, data = trained_run
     module, meta = quietly(load_torchscript, torchscript_export)
     model = best_model(run_dir)
     _, x = domain_inputs(data)
     assert_equals_model(module.predict, module.jac, module.jac_physical, model, x)
-    assert torch.equal(module.predict(x), model.predict(x))  # the same float32 kernels: bit for bit
-    assert torch.equal(module.jac_physical(x), model.jacobian(x))
+    assert torch.equal(module.predict(x), model.predict(x).float())  # the model's numbers, rounded once: bit for bit
+    assert torch.equal(module.jac_physical(x), model.jacobian(x).float())
     with torch.no_grad():  # jac turns grad mode on for itself, and back off
-        assert torch.equal(module.jac_physical(x[:5]), model.jacobian(x[:5])) and not torch.is_grad_enabled()
-    assert torch.equal(module.predict(x[:5].float()), model.predict(x[:5].float()))  # float32 inputs (aibalance's)
+        assert torch.equal(module.jac_physical(x[:5]), model.jacobian(x[:5]).float()) and not torch.is_grad_enabled()
+    assert torch.equal(module.predict(x[:5].float()), model.predict(x[:5].float()).float())  # float32 inputs too
     assert torch.equal(module(module.normalize_input(x)), model(model.normalise_inputs(x)))  # forward: normalised
-    # aibalance's names and metadata (model.py:47-66, export_to_torchscript.py:172-186)
+    assert module.denormalize_output(module(module.normalize_input(x))).dtype == torch.float32
+    # aibalance's names and metadata (model.py:47-66, export_to_torchscript.py:139-186)
     assert [name for name, _ in module.named_parameters()][:2] == ["network.0.weight", "network.0.bias"]
     assert {name for name, _ in module.named_buffers()} == set(STATISTICS)
-    assert module.input_names[0] == "sea_water_potential_temperature" and len(module.input_names) == 14
-    assert module.output_names == ["sea_ice_area_fraction"] and module.input_levels == [-1] * 14
     assert set(AIBALANCE_META) <= set(module.meta) and module.meta["input_short_names"] == ",".join(DEFAULT_INPUTS)
     assert module.meta["hidden_size"] == "16" and module.meta["hidden_layers"] == "3"
     assert module.meta["input_units"].split(",")[0] == "K" and module.meta["output_activation"] == "none"
     assert meta["checkpoint"] == f"step_{read_json(run_dir / 'summary.json')['best_step']}"  # the meta.json file
     assert meta["inputs"] == list(DEFAULT_INPUTS) and meta["domain"]["lat_variable"] == "TLAT"
+    # as aibalance's ufs_emulator.cpp reads it: levels 127 (the atmosphere, no --data-atmos level read) and 0, the
+    # optimizer's settings dict as str(), loss as its exporter writes it (its configs say loss_function), float32
+    read = aibalance_cpp_reads(module)
+    assert read["input_names"][0] == "sea_water_potential_temperature" and len(read["input_names"]) == 14
+    assert read["output_names"] == ["sea_ice_area_fraction"] and read["output_levels"] == [0]
+    assert read["input_levels"] == [127 if name in ATMOSPHERE else 0 for name in DEFAULT_INPUTS]
+    assert read["meta"]["optimizer"] == "{'type': 'adam', 'learning_rate': 0.003, 'weight_decay': 0.0001}"
+    assert read["meta"]["loss"] == "" and read["meta"]["loss_function"] == "mse"
+    assert read["output"].dtype == read["jacobian"].dtype == torch.float32  # data_ptr<float>() reads them
+    assert torch.equal(read["output"], model(read["x"]))  # forward: normalised in and out
+    point = read["x"].double() * model.input_std + model.input_mean  # the physical point of that normalised input
+    normalised = model.jacobian(point) * model.input_std / model.output_std[:, None]
+    assert per_input_error(read["jacobian"][None].double(), normalised) < 1e-5
 
 
 def test_soca_layout_reads_back_as_the_cpp_reads_it(trained_run, soca_export):
@@ -205,6 +249,7 @@ def test_both_layouts_of_either_output_activation(activation, tmp_path):
     )
     module, _ = quietly(load_torchscript, script)
     assert_equals_model(module.predict, module.jac, module.jac_physical, model, x)
+    assert torch.equal(module.predict(x), model.predict(x).float())
     assert module.meta["output_activation"] == activation and module.meta["hidden_layers"] == "2"
     rebuilt = soca_emulator(soca)
     assert torch.equal(rebuilt.predict(x), model.predict(x)) and torch.equal(rebuilt.jacobian(x), model.jacobian(x))

@@ -21,8 +21,10 @@ torch::inductor::AOTIModelPackageLoader (export/cpp/), Python with torch._induct
 `torchscript` writes a TorchScript archive for the programs that load TorchScript (torch 2.13 deprecates it: `aoti`
 is the artefact for new deployments; torch's deprecation warnings for this export are silenced inside it only).
 `--format aibalance` (the default) is aibalance's layout (guillaumevernieres/aibalance, export_to_torchscript.py):
-methods predict (physical -> physical), jac (d y_norm / d x_norm) and jac_physical, float64 out, and its metadata
-attributes (input_names, output_names, input_levels, output_levels, meta) plus meta.json as an extra file.
+methods predict (physical -> physical), jac (d y_norm / d x_norm) and jac_physical, every output float32 as its
+float32 module returns them, and its metadata attributes (input_names, output_names, input_levels and output_levels
+as its exporter sets them: the atmosphere's fields at nlevs - 1, 127 by default, the ocean's at 0; meta with optimizer
+and loss as it writes them) plus meta.json as an extra file.
 `--format soca` is SOCA MLBalance's layout: MODEL.pt as `torch::load(net, file)` reads it (layers fc1, fc2, ...,
 buffers input_mean, input_std, ...) and normalization.MODEL.pt as IceNet.h's loadNorm reads it ([input mean, input
 std], then the output's); export/cpp/ufs_net.h is the network class that reads them (toolkit.export.soca). An
@@ -82,9 +84,10 @@ def _torchscript(args) -> None:
     else:
         meta = export_torchscript(args.run_dir, args.out, args.step)
         written = f"{args.out} (TorchScript, aibalance's layout: predict, jac, jac_physical)"
+    dtype = "" if args.layout == "soca" else ", float32 out"
     print(
         f"wrote {written}: {meta['recipe']} from {meta['checkpoint']}, inputs {' '.join(meta['inputs'])} -> outputs "
-        f"{' '.join(meta['outputs'])}, physical units, float64 out"
+        f"{' '.join(meta['outputs'])}, physical units{dtype}"
     )
 
 

@@ -5,24 +5,32 @@ ufs_emulator.cpp and SOCA's MLBalance load TorchScript archives. This module and
 places that call torch.jit, and every call is inside `quiet_torchscript()`, which silences torch's own deprecation
 warnings for these calls alone (by message; any other warning still shows).
 
-aibalance's layout (guillaumevernieres/aibalance at b1eccbc): ufsemulator/export_to_torchscript.py:172-203 scripts
-its UfsEmulatorFFNN (ufsemulator/model.py) with torch.jit.script and saves it; the module holds
+aibalance's layout (guillaumevernieres/aibalance at b1eccbc):
+ufsemulator/export_to_torchscript.py scripts its UfsEmulatorFFNN (ufsemulator/model.py) with torch.jit.script and
+saves it; the module holds
 
 - `network`, an nn.Sequential Linear, GELU, ..., Linear (model.py:32-47): our UfsEmulator's `net`, the same indices;
 - buffers input_mean, input_std, output_mean, output_std (model.py:50-53), here float64 as in our model;
-- attributes input_names, output_names (CF standard names), input_levels, output_levels (vertical level indices;
-  -1 here: our fields are 2-D, and aibalance's ufs_emulator.cpp prints -1 as "No level specified") and `meta`, a
-  dict of strings with model_class, hidden_layers, hidden_size, input_variables, output_variables (CF names, comma-
-  separated), input_short_names, output_short_names, optimizer and loss (export_to_torchscript.py:172-186); ours
-  adds output_activation, units, recipe and checkpoint. The whole meta of the export (toolkit.export.load) is the
-  extra file `meta.json` of the archive as well;
+- attributes input_names, output_names (CF standard names), input_levels, output_levels and `meta`, as
+  export_to_torchscript.py sets them: the levels are the vertical level each field was read at, the atmosphere's
+  (aibalance's CF_ATM: tair, uatm, vatm, tsfc, qref; here also flwdn, fswdn, which aibalance maps nowhere) at nlevs
+  - 1, the last level of the training's --data-atmos fields where they have a level dimension, else 127 (its
+  default `atm_level_index`), every ocean/ice field at 0 (aibalance's `[:, :, 0]`); `meta` is a dict of strings
+  with model_class, hidden_layers, hidden_size, input_variables, output_variables (CF names, comma-separated),
+  input_short_names, output_short_names, optimizer and loss as its exporter writes them: optimizer
+  `str(config["training"]["optimizer"])`, the Python text of the optimizer's settings dict ({'type': 'adam',
+  'learning_rate': 0.0001, 'weight_decay': 0.0001}: ours from --optimizer, --lr, --weight-decay), loss
+  `str(config["training"].get("loss", ""))`, which is "" (aibalance's configs name it loss_function); ours adds
+  loss_function (mse), output_activation, input_units, output_units, recipe and checkpoint. The whole meta of the
+  export (toolkit.export.load) is the extra file `meta.json` of the archive as well;
 - methods (model.py:147-259) forward (normalised inputs -> normalised outputs: the network), normalize_input,
   denormalize_output, predict (physical -> physical), jac (d y_norm / d x_norm, [n, outputs, inputs]) and
   jac_physical (d y / d x in physical units). jac is autograd through forward(), one backward per output, as
   aibalance's and UfsEmulator.jacobian, but with torch.autograd.grad under enable_grad, so it works after
   serialisation (which aibalance's export doubts, export_to_torchscript.py:228-251) and under torch::NoGradGuard.
-  Inputs may be float32 or float64; every output is float64 (normalisation in float64, the network in its own
-  dtype, as UfsEmulator does).
+  Inputs may be float32 or float64; every output is float32, as aibalance's float32 module returns them (a C++
+  caller reads them with data_ptr<float>()): computed as UfsEmulator computes them (normalisation in float64, the
+  network in its own dtype) and rounded to float32 once, at the end, so each equals the model's value rounded.
 
 SOCA's layout (`--format soca`) is written by toolkit.export.soca.
 """
@@ -43,7 +51,8 @@ from toolkit.errors import UsageError
 
 SUFFIXES = (".pt", ".ts")  # SOCA's files are .pt (test/Data/mlbalance/arctic.pt); aibalance's default is .ts
 
-NO_LEVEL = -1  # aibalance's ufs_emulator.cpp:44-45, 96-99: a level below 0 is "No level specified"
+OCEAN_LEVEL = 0  # aibalance b1eccbc data.py: the ocean/ice fields read at [:, :, 0]; level_index 0
+ATMOSPHERE_LEVEL = 127  # its atm_level_index default (data.py, export_to_torchscript.py): nlevs - 1 of 128 levels
 
 
 # torch's notice for each torch.jit call: "`torch.jit.script` is deprecated. Please switch to ...", and on Python
@@ -98,10 +107,28 @@ def write_whole(out: Path, save) -> None:
         partial.unlink(missing_ok=True)
 
 
+def optimizer_settings(config: dict) -> str:
+    """aibalance's meta["optimizer"]: str() of its config's training.optimizer dict (type, learning_rate,
+    weight_decay, in its configs' order), from our flags."""
+    settings = {"type": str(config.get("optimizer", "")), "learning_rate": config.get("lr"),
+                "weight_decay": config.get("weight_decay")}
+    return str({key: value for key, value in settings.items() if value is not None})
+
+
+def field_level(name: str, atmosphere_level: int) -> int:
+    """The vertical level aibalance's metadata gives a field: the atmosphere's (ufs_cf.CF_ATMOSPHERE) at
+    `atmosphere_level` (nlevs - 1), every other (ocean/ice) at 0."""
+    from toolkit.data.ufs_cf import CF_ATMOSPHERE
+
+    return atmosphere_level if name in CF_ATMOSPHERE else OCEAN_LEVEL
+
+
 def model_attributes(model: nn.Module, meta: dict, config: dict) -> dict:
-    """aibalance's metadata (export_to_torchscript.py:144-186) for our model: names, levels and the meta dict."""
+    """aibalance's metadata (export_to_torchscript.py:144-186) for our model: names, levels and the meta dict. The
+    atmosphere's level is meta["atmosphere_level"] where the export found it (atmosphere_level()), else 127."""
     inputs, outputs = list(meta["inputs"]), list(meta["outputs"])
     units = meta.get("units") or {}
+    level = int(meta.get("atmosphere_level", ATMOSPHERE_LEVEL))
     linears = [layer for layer in model.net if isinstance(layer, nn.Linear)]
     described = {
         "model_class": "UfsEmulatorFFNN",
@@ -111,8 +138,9 @@ def model_attributes(model: nn.Module, meta: dict, config: dict) -> dict:
         "output_variables": ",".join(cf_name(name) for name in outputs),
         "input_short_names": ",".join(inputs),
         "output_short_names": ",".join(outputs),
-        "optimizer": str(config.get("optimizer", "")),
-        "loss": "mse",  # recipes/ufs_emulator.py trains with MSE in normalised units
+        "optimizer": optimizer_settings(config),
+        "loss": "",  # str(config["training"].get("loss", "")): aibalance's configs write loss_function, not loss
+        "loss_function": "mse",  # recipes/ufs_emulator.py trains with MSE in normalised units
         "output_activation": output_activation(model),
         "input_units": ",".join(str(units.get(name, "")) for name in inputs),
         "output_units": ",".join(str(units.get(name, "")) for name in outputs),
@@ -122,10 +150,36 @@ def model_attributes(model: nn.Module, meta: dict, config: dict) -> dict:
     return {
         "input_names": [cf_name(name) for name in inputs],
         "output_names": [cf_name(name) for name in outputs],
-        "input_levels": [NO_LEVEL] * len(inputs),
-        "output_levels": [NO_LEVEL] * len(outputs),
+        "input_levels": [field_level(name, level) for name in inputs],
+        "output_levels": [field_level(name, level) for name in outputs],
         "meta": described,
     }
+
+
+def atmosphere_level(config: dict, data: dict) -> tuple[int, str]:
+    """(nlevs - 1, where it came from) as aibalance's reader sets atm_level_index: the last level of the training's
+    atmosphere field (tair, else another atmosphere input) in its --data-atmos file where that field has a trailing
+    level dimension, else 127 (aibalance's default, for 2-D fields and for a file no longer there)."""
+    from toolkit.data.ufs_cf import CF_ATMOSPHERE
+    from toolkit.process import extras
+
+    atmos = config.get("data_atmos")
+    variables = data.get("variables") or {}
+    names = [variables[name] for name in ("tair", *CF_ATMOSPHERE) if name in variables]
+    if atmos and names and Path(atmos).expanduser().is_file():
+        xr = extras.xarray()
+        try:
+            with xr.open_dataset(Path(atmos).expanduser(), engine="netcdf4", decode_times=False) as ds:
+                stored = next((ds[name] for name in names if name in ds.variables), None)
+                if stored is not None:
+                    shape = list(stored.shape)
+                    while len(shape) > 2 and shape[0] == 1:
+                        shape = shape[1:]
+                    if len(shape) == 3 and shape[2] > 0:
+                        return shape[2] - 1, f"the last of {shape[2]} levels of {stored.name!r} in {atmos}"
+        except (OSError, ValueError):  # unreadable now: aibalance's default, said in meta.json
+            pass
+    return ATMOSPHERE_LEVEL, f"aibalance's default atm_level_index ({ATMOSPHERE_LEVEL}): no level dimension read"
 
 
 def output_activation(model: nn.Module) -> str:
@@ -134,7 +188,7 @@ def output_activation(model: nn.Module) -> str:
 
 class AibalanceEmulator(nn.Module):
     """aibalance's UfsEmulatorFFNN interface (ufsemulator/model.py:147-259) around a trained UfsEmulator, for
-    torch.jit.script: the same numbers as UfsEmulator.predict / .jacobian (normalised and physical)."""
+    torch.jit.script: the numbers of UfsEmulator.predict / .jacobian (normalised and physical), rounded to float32."""
 
     input_names: list[str]
     output_names: list[str]
@@ -158,41 +212,52 @@ class AibalanceEmulator(nn.Module):
         self.meta = dict(attributes["meta"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalised inputs -> normalised outputs (aibalance model.py:163-170; UfsEmulator.forward)."""
-        out = self.network(x)
+        """Normalised inputs -> normalised outputs (aibalance model.py:163-170; UfsEmulator.forward), float32."""
+        return self.network_output(x).float()
+
+    @torch.jit.export
+    def network_output(self, z: torch.Tensor) -> torch.Tensor:
+        """The network on normalised inputs, in its dtype (UfsEmulator.forward: with the sigmoid, its value
+        normalised by the output statistics in float64)."""
+        out = self.network(z)
         if self.sigmoid_output:
             return ((torch.sigmoid(out).double() - self.output_mean) / self.output_std).to(out.dtype)
         return out
 
     @torch.jit.export
     def normalize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Physical -> normalised: (x - mean) / std in float64, returned in the network's dtype."""
+        """Physical -> normalised: (x - mean) / std in float64, returned in the network's dtype (float32)."""
         return ((x.double() - self.input_mean) / self.input_std).to(self.network[0].weight.dtype)
 
     @torch.jit.export
     def denormalize_output(self, y: torch.Tensor) -> torch.Tensor:
-        """Normalised -> physical outputs, float64: y * std + mean."""
-        return y.double() * self.output_std + self.output_mean
+        """Normalised -> physical outputs: y * std + mean in float64, returned as float32."""
+        return (y.double() * self.output_std + self.output_mean).float()
 
     @torch.jit.export
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
+    def predict_double(self, x: torch.Tensor) -> torch.Tensor:
         """Physical inputs [n, inputs] -> physical outputs [n, outputs], float64 (UfsEmulator.predict)."""
         z = self.normalize_input(x)
         if self.sigmoid_output:
             return torch.sigmoid(self.network(z)).double()
-        return self.denormalize_output(self.network(z))
+        return self.network_output(z).double() * self.output_std + self.output_mean
 
     @torch.jit.export
-    def jac(self, x: torch.Tensor) -> torch.Tensor:
-        """d y_norm / d x_norm at physical inputs x [n, inputs]: [n, outputs, inputs], float64. Autograd through
-        forward() as aibalance's jac (model.py:189-231) and UfsEmulator.jacobian compute it (one backward per
-        output), with torch.autograd.grad and grad mode on for the call (set back after it), so it works after
-        serialisation and under a caller's no_grad (torch::NoGradGuard in C++; not under InferenceMode)."""
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical inputs [n, inputs] -> physical outputs [n, outputs], float32: UfsEmulator.predict rounded."""
+        return self.predict_double(x).float()
+
+    @torch.jit.export
+    def jac_double(self, x: torch.Tensor) -> torch.Tensor:
+        """d y_norm / d x_norm at physical inputs x [n, inputs]: [n, outputs, inputs], float64. Autograd through the
+        network as aibalance's jac (model.py:189-231) and UfsEmulator.jacobian compute it (one backward per output),
+        with torch.autograd.grad and grad mode on for the call (set back after it), so it works after serialisation
+        and under a caller's no_grad (torch::NoGradGuard in C++; not under InferenceMode)."""
         z = self.normalize_input(x).detach()  # before grad mode changes: a wrong shape raises here
         grad_was_enabled = torch.is_grad_enabled()
         torch.set_grad_enabled(True)  # TorchScript has no `with torch.enable_grad()`
         z.requires_grad_(True)
-        y = self.forward(z)
+        y = self.network_output(z)
         gradients: list[Optional[torch.Tensor]] = []  # noqa: UP045 (TorchScript reads typing's Optional)
         for output in range(y.shape[1]):
             gradients.append(torch.autograd.grad([y[:, output].sum()], [z], retain_graph=True)[0])
@@ -204,9 +269,16 @@ class AibalanceEmulator(nn.Module):
         return torch.stack(rows, dim=1).double()
 
     @torch.jit.export
+    def jac(self, x: torch.Tensor) -> torch.Tensor:
+        """d y_norm / d x_norm at physical inputs x [n, inputs]: [n, outputs, inputs], float32 (jac_double)."""
+        return self.jac_double(x).float()
+
+    @torch.jit.export
     def jac_physical(self, x: torch.Tensor) -> torch.Tensor:
-        """d y / d x in physical units, [n, outputs, inputs], float64 (aibalance model.py:233-259)."""
-        return self.jac(x) * self.output_std.view(1, -1, 1) / self.input_std.view(1, 1, -1)
+        """d y / d x in physical units, [n, outputs, inputs], float32 (aibalance model.py:233-259): the normalised
+        Jacobian scaled by output_std / input_std in float64 (UfsEmulator.jacobian), then rounded."""
+        scaled = self.jac_double(x) * self.output_std.view(1, -1, 1) / self.input_std.view(1, 1, -1)
+        return scaled.float()
 
 
 def check_layers(model: nn.Module) -> None:
@@ -226,9 +298,13 @@ def export_torchscript(run_dir: Path | str, out: Path | str, step: int | None = 
     """Write aibalance's TorchScript layout of a run to `out`; returns the export's meta (also the archive's
     meta.json)."""
     from toolkit.export.load import load_run
+    from toolkit.run.rundir import RunDir, read_json
 
     out = check_out(out)
     model, meta = load_run(run_dir, step)
+    recorded = read_json(RunDir(Path(run_dir)).config) or {}
+    level, source = atmosphere_level(recorded.get("config") or {}, recorded.get("data") or {})
+    meta = {**meta, "atmosphere_level": level, "atmosphere_level_from": source}
     return write_torchscript(model, meta, run_config(run_dir), out)
 
 
