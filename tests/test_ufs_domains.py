@@ -1,9 +1,13 @@
 """The teams' sea-ice domains (--domain), each checked cell for cell against a transcription of that team's code,
-written here in plain Python/numpy from it, on generated files: JCSDA SOCA's IceEmul.h (selectData "clean data" per
-pole, prepData's first N per rank of the stride cut to the smallest rank, on 1 and 3 ranks), aibalance c710abb's
-select_data (umask == 1, aice not < 0, the first N in grid order) and aibalance b1eccbc's read_netcdf_data_pair /
-filter_data on its CF pair (the thickness/tair mask, aice > 0, the first N); --domain toolkit stays ours. The gdas
-preset follows c710abb; the flags a team's domain fixes are refused in one line before a file is opened."""
+written here in plain Python/numpy from it, on generated files: JCSDA SOCA's IceEmul.h (selectData per pole with
+clean data, on a file with open water (aice exactly 0) inside the mask, which its 0 < aice leaves out, and without
+clean data (soca-unclean: beyond 60 degrees, no mask, no ice condition); prepData's first N per rank of the stride
+cut to the smallest rank, on 1 and 3 ranks), aibalance c710abb's select_data (umask == 1, aice not < 0, the first N
+in grid order) and its reader (read_netcdf_data, filter_data: the same patterns, value for value, from the generated
+CICE file, which holds every variable it reads), and aibalance b1eccbc's read_netcdf_data_pair / filter_data on its
+CF pair (the thickness/tair mask, aice > 0, the first N; sice, uocn, vocn, flwdn, fswdn zeros: the same patterns,
+value for value); --domain toolkit stays ours. The gdas preset follows c710abb; the flags a team's domain fixes are
+refused in one line before a file is opened."""
 
 from __future__ import annotations
 
@@ -150,6 +154,59 @@ def b1eccbc_cells(ocean, atmos, max_patterns):
     return np.where(valid)[0][:max_patterns]
 
 
+def c710abb_reader(filename, input_variables, output_variables=("aice",), min_ice=0.0, max_patterns=400000):
+    """aibalance c710abb ufsemulator/data.py IceDataPreparer.read_netcdf_data and filter_data (mask_mode
+    "sea_ice"), transcribed: every variable of var_names is read (with its alternative names; a KeyError when none
+    is there), then the cells select_data keeps, in grid order, up to max_patterns: (patterns, targets) float32."""
+    import netCDF4 as nc
+
+    var_names = {"lat": "ULAT", "lon": "ULON", "aice": "aice_h", "tsfc": "Tsfc_h", "sst": "sst_h", "sss": "sss_h",
+                 "sice": "sice_h", "hi": "hi_h", "hs": "hs_h", "mask": "umask", "tair": "Tair_h",
+                 "frzmlt": "frzmlt_h", "strocnx": "strocnx_h", "strocny": "strocny_h", "strairx": "strairx_h",
+                 "strairy": "strairy_h", "qref": "Qref_h", "flwdn": "flwdn_h", "fswdn": "fswdn_h", "uocn": "uocn_h",
+                 "vocn": "vocn_h", "uatm": "uatm_h", "vatm": "vatm_h"}
+    alt_var_names = {"aice_h": ["aicen", "aice", "ice_concentration"], "hi_h": ["hicen", "hi", "ice_thickness"],
+                     "hs_h": ["hsnon", "hs", "snow_thickness"], "ULAT": ["lat", "latitude", "TLAT"],
+                     "ULON": ["lon", "longitude", "TLON"], "umask": ["mask", "land_mask", "ocean_mask"],
+                     "Tair_h": ["tair", "air_temperature"], "Tsfc_h": ["tsfc", "surface_temperature"],
+                     "sst_h": ["sst", "sea_surface_temperature"], "sss_h": ["sss", "sea_surface_salinity"],
+                     "sice_h": ["sice", "ice_salinity"], "frzmlt_h": ["frzmlt", "frazil_melt", "frazil_ice_melt"]}
+    data = {}
+    with nc.Dataset(filename, "r") as dataset:
+        for key, var_name in var_names.items():
+            found_var = None
+            if var_name in dataset.variables:
+                found_var = var_name
+            else:
+                alt_names = alt_var_names.get(var_name, [])
+                for alt_name in alt_names:
+                    if alt_name in dataset.variables:
+                        found_var = alt_name
+                        break
+            if found_var:
+                data[key] = dataset.variables[found_var][:].flatten()
+            else:
+                raise KeyError(f"Variable {var_name} (or alternatives {alt_names}) not found in {filename}.")
+    selected_indices = []
+    for i in range(len(data["lat"])):
+        mask, aice = float(data["mask"][i]), float(data["aice"][i])
+        if mask != 1:  # select_data, mask_mode "sea_ice"
+            continue
+        if aice < min_ice:
+            continue
+        selected_indices.append(i)
+        if len(selected_indices) >= max_patterns:
+            break
+    patterns = np.zeros((len(selected_indices), len(input_variables)), dtype=np.float32)
+    targets = np.zeros((len(selected_indices), len(output_variables)), dtype=np.float32)
+    for cnt, idx in enumerate(selected_indices):
+        for i, feature_name in enumerate(input_variables):
+            patterns[cnt, i] = data[feature_name][idx] if feature_name in data else 0.0
+        for i, target_name in enumerate(output_variables):
+            targets[cnt, i] = data[target_name][idx] if target_name in data else 0.0
+    return patterns, targets
+
+
 def b1eccbc_reader(atm_file, ocn_file, input_variables, output_variables=("aice",), min_ice=0.0,
                    max_patterns=400000):
     """aibalance b1eccbc ufsemulator/data.py IceDataPreparer.read_netcdf_data_pair and filter_data (mask_mode
@@ -201,6 +258,22 @@ def pattern_rows(*arrays):
 def ours(patterns):
     return pattern_rows(np.concatenate([patterns.train_inputs, patterns.train_targets], 1),
                         np.concatenate([patterns.valid_inputs, patterns.valid_targets], 1))
+
+
+C710ABB_DEFAULT_INPUTS = ("sst", "sss", "tair", "tsfc", "hi", "hs", "sice", "strocnx", "strocny", "strairx", "strairy",
+                          "qref", "flwdn", "fswdn")  # IceDataPreparer's default_inputs at c710abb
+
+
+@pytest.mark.filterwarnings("ignore:Warning. converting a masked element to nan")  # c710abb's float() of land
+@pytest.mark.parametrize("inputs", [DEFAULT_INPUTS, C710ABB_DEFAULT_INPUTS], ids=["config_aice", "its-defaults"])
+def test_the_generated_cice_file_is_read_by_c710abbs_reader_as_we_read_it(inputs, tmp_path):
+    """The generated CICE file carries every variable c710abb's reader reads (frzmlt_h, the stresses: a KeyError
+    before), and --domain aibalance-c710abb gives its patterns, value for value."""
+    synthesize(tmp_path / "cice.nc", seed=4, nlat=24, nlon=48, naming="cice")
+    patterns, targets = c710abb_reader(tmp_path / "cice.nc", list(inputs))
+    assert len(patterns) > 300 and all(patterns[:, k].std() > 0 for k in range(len(inputs)))
+    loaded = load_patterns(Accelerator(cpu=True), tmp_path / "cice.nc", inputs=inputs, domain="aibalance-c710abb")
+    assert np.array_equal(ours(loaded), pattern_rows(np.concatenate([patterns, targets], 1)))
 
 
 def test_b1eccbc_trains_on_what_its_reader_gives_zeros_included(pair):

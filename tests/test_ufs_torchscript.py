@@ -179,6 +179,36 @@ def test_aibalance_layout_predicts_as_the_model(trained_run, torchscript_export)
     assert per_input_error(read["jacobian"][None].double(), normalised) < 1e-5
 
 
+def test_aibalance_c710abb_layout_takes_physical_inputs(trained_run, torchscript_export, tmp_path, capfd):
+    """--format aibalance-c710abb: forward takes physical inputs and returns physical outputs, float32, as c710abb's
+    forward (ufsemulator/model.py: it normalises x itself); its ufs_emulator.cpp's Jacobian (backward through
+    forward) is the physical one; jac is d forward / d x. HEAD's layout fed the same physical values is far off."""
+    run_dir, data = trained_run
+    out = tmp_path / "c710abb.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        code, stdout, stderr = run_export(["torchscript", str(run_dir), "--out", str(out), "--format",
+                                           "aibalance-c710abb"], capfd)
+    assert code == 0 and "forward and jac physical" in stdout and "float32 out" in stdout, stderr
+    module, meta = quietly(load_torchscript, out)
+    model = best_model(run_dir)
+    _, x = domain_inputs(data)
+    assert meta["layout"] == "aibalance-c710abb"
+    assert torch.equal(module(x), model.predict(x).float()) and module(x).dtype == torch.float32
+    assert torch.equal(module(x.float()), model.predict(x.float()).float())  # c710abb's C++ passes float32
+    assert torch.equal(module.jac(x), model.jacobian(x).float())
+    assert_equals_model(module.predict, lambda v: module.jac(v) * (model.input_std / model.output_std[:, None]).float(),
+                        module.jac_physical, model, x)
+    point = x[:1].float()  # c710abb's ufs_emulator.cpp: forward, then backward through it per output
+    x_req = point.clone().requires_grad_(True)
+    y = module.forward(x_req)
+    y.backward(torch.ones_like(y))
+    # float32 autograd through the float32 network (its error: 3.3e-5 of a column's largest entry, seen)
+    assert per_input_error(x_req.grad[None].double(), model.jacobian(point.double())) < 1e-4
+    head, _ = quietly(load_torchscript, torchscript_export)
+    assert (head(x.float()).double() - model.predict(x)).abs().max() > 1.0  # normalised forward, physical input
+
+
 def test_soca_layout_reads_back_as_the_cpp_reads_it(trained_run, soca_export):
     run_dir, data = trained_run
     step = read_json(run_dir / "summary.json")["best_step"]
@@ -270,7 +300,8 @@ def test_torchscript_export_refuses_bad_input_in_one_line(trained_run, tmp_path,
         ([str(run_dir), "--out", str(tmp_path / "taken")], ["--out", "is a directory"]),
         ([str(run_dir), "--out", str(tmp_path / "x.pt2")], ["--out", ".pt", "aoti"]),
         ([str(run_dir), "--out", out, "--step", "99999"], ["step_99999", "--step"]),
-        ([str(run_dir), "--out", out, "--format", "onnx"], ["--format", "'onnx'", "aibalance or soca"]),
+        ([str(run_dir), "--out", out, "--format", "onnx"], ["--format", "'onnx'", "aibalance, aibalance-c710abb or "
+                                                            "soca"]),
         (
             [str(run_dir), "--out", str(tmp_path / "norm-taken.pt"), "--format", "soca"],
             ["normalization.norm-taken.pt", "is a directory"],

@@ -45,7 +45,8 @@ The generator writes such a file: the 14 fields on a lat/lon grid with plausible
 fill values, as in model output), and aice = sigmoid(f(inputs)) + Gaussian noise of standard deviation sigma, with
 f a known smooth function (`clean_aice`); sigma is in the file's attributes (`noise_sigma`), so the best
 achievable validation RMSE is known. With naming="cice" the variables carry the CICE history names (plus `umask`,
-`ULAT`, `ULON`); with an atmosphere file the atmospheric fields go there. layout="gaussian-cf" writes aibalance's
+`ULAT`, `ULON`, and the other fields aibalance c710abb's reader reads: frzmlt_h, strocnx_h, strocny_h, strairx_h,
+strairy_h); with an atmosphere file the atmospheric fields go there. layout="gaussian-cf" writes aibalance's
 pair instead (ufs_cf.write_gaussian_cf).
 """
 
@@ -134,6 +135,12 @@ CICE_NAMES = {
     "flwdn": "flwdn_h",
     "fswdn": "fswdn_h",
     "aice": "aice_h",
+    # what aibalance c710abb's reader also reads (its var_names; a file without them is a KeyError there)
+    "frzmlt": "frzmlt_h",
+    "strocnx": "strocnx_h",
+    "strocny": "strocny_h",
+    "strairx": "strairx_h",
+    "strairy": "strairy_h",
 }
 # The second name of sst, sss, tsfc, hs, uocn, vocn, qref (and thick, the ocean's top-layer thickness) is the one
 # aibalance's CF files use (b1eccbc cf_mappings.py: ufs_cf.AIBALANCE_CF).
@@ -531,6 +538,7 @@ PHYSICAL_RANGES = {
     "kg/kg": (0.0, 0.1),
     "W/m^2": (-100.0, 2000.0),
     "W m-2": (-100.0, 2000.0),
+    "N/m^2": (-50.0, 50.0),  # CICE's stresses (strairx_h, strocnx_h, ...)
 }
 FRACTIONS = {"aice", "aice_h"}  # sea-ice concentration: 0 .. 1 (with a margin for noise)
 # A field with no `units` attribute: the plausible range of what our name names, in any of its usual units (a
@@ -551,6 +559,11 @@ NAMED_RANGES = {
     "qref": (0.0, 100.0),
     "flwdn": (-100.0, 2000.0),
     "fswdn": (-100.0, 2000.0),
+    "frzmlt": (-1000.0, 1000.0),
+    "strocnx": (-50.0, 50.0),
+    "strocny": (-50.0, 50.0),
+    "strairx": (-50.0, 50.0),
+    "strairy": (-50.0, 50.0),
 }
 
 
@@ -1066,6 +1079,34 @@ FIELDS = {
     "flwdn": ("W/m^2", "downward longwave flux"),
     "fswdn": ("W/m^2", "downward shortwave flux"),
 }
+# The CICE history fields that aibalance c710abb's reader reads besides the 14 (ufsemulator/data.py var_names:
+# frzmlt_h, strocnx_h, strocny_h, strairx_h, strairy_h), written by the generator with --naming cice; derived from
+# the fields above (no random draw: every other field keeps its values), outside the aice formula.
+# name: (units, long name)
+CICE_EXTRA_FIELDS = {
+    "frzmlt": ("W/m^2", "freeze/melt potential"),
+    "strocnx": ("N/m^2", "ocean/ice stress (x)"),
+    "strocny": ("N/m^2", "ocean/ice stress (y)"),
+    "strairx": ("N/m^2", "atm/ice stress (x)"),
+    "strairy": ("N/m^2", "atm/ice stress (y)"),
+}
+
+
+def cice_extra_fields(f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """CICE_EXTRA_FIELDS from the generated fields: the freeze/melt potential from the sea surface's distance to
+    freezing (capped at +-1000 W/m^2 as CICE caps it), the stresses as quadratic drag of the ocean current (water
+    density 1026 kg/m^3, drag 5.5e-3) and of the wind (air 1.3 kg/m^3, drag 1.3e-3)."""
+    water, air = 1026.0 * 5.5e-3, 1.3 * 1.3e-3
+    current, wind = np.hypot(f["uocn"], f["vocn"]), np.hypot(f["uatm"], f["vatm"])
+    return {
+        "frzmlt": np.clip(-400.0 * (f["sst"] - 271.35), -1000.0, 1000.0),
+        "strocnx": water * current * f["uocn"],
+        "strocny": water * current * f["vocn"],
+        "strairx": air * wind * f["uatm"],
+        "strairy": air * wind * f["vatm"],
+    }
+
+
 AICE_FORMULA = (
     "aice = sigmoid(2.5 tanh((271.85 - sst) / 1.5) + 1.5 tanh(hi - 0.5) - 0.06 (tair - 258.15) "
     "+ 0.5 tanh(0.1 (uatm + vatm)) - 0.003 (fswdn - 100) + 0.3 sin(4 hs)) + N(0, noise_sigma^2)"
@@ -1114,8 +1155,10 @@ def synthesize(
 
     naming="cice": the fields carry the CICE history names (sst_h, Tair_h, Qref_h, aice_h, ...; the same values
     and units) and the file also holds the U-cell mask and coordinates (umask: a T cell whose east, north and
-    north-east neighbours are ocean too; ULAT/ULON half a cell to the north-east). atmos_out: the atmospheric
-    fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON; the rest stay in `out`.
+    north-east neighbours are ocean too; ULAT/ULON half a cell to the north-east) and every other variable
+    aibalance c710abb's reader reads (frzmlt_h, strocnx_h, strocny_h, strairx_h, strairy_h: cice_extra_fields).
+    atmos_out: the atmospheric fields (ATMOSPHERE_FIELDS) go to that second file, on the same grid, with TLAT/TLON;
+    the rest stay in `out`.
 
     layout="gaussian-cf" (atmos_out required): the pair aibalance reads today (ufs_cf.write_gaussian_cf): a Gaussian
     grid (latitudes north to south, longitudes 0 .. 360), 1-D latitude/longitude, CF names, the ocean/ice fields
@@ -1169,10 +1212,11 @@ def synthesize(
     rename = (lambda name: CICE_NAMES.get(name, name)) if naming == "cice" else (lambda name: name)
     dims = ("time", "nj", "ni")
     ocean_vars, atmos_vars = {}, {}
-    for name in tqdm([*FIELDS, "aice"], desc="fields", unit="field", leave=False):
-        values = aice if name == "aice" else f[name]
+    extra = cice_extra_fields(f) if naming == "cice" else {}
+    for name in tqdm([*FIELDS, "aice", *extra], desc="fields", unit="field", leave=False):
+        values = aice if name == "aice" else extra[name] if name in extra else f[name]
         values = np.where(ocean, values, np.nan).astype(np.float32)[None]
-        units, long_name = FIELDS.get(name, ("1", "ice area (aggregate)"))
+        units, long_name = {**FIELDS, **CICE_EXTRA_FIELDS}.get(name, ("1", "ice area (aggregate)"))
         target = atmos_vars if atmos_out is not None and name in ATMOSPHERE_FIELDS else ocean_vars
         target[rename(name)] = xr.Variable(dims, values, {"units": units, "long_name": long_name})
     ocean_vars["tmask"] = xr.Variable(("nj", "ni"), ocean.astype(np.float32), {"long_name": "ocean grid mask"})

@@ -1,7 +1,7 @@
 """Export a trained run for use outside Python, and run it on a netCDF file.
 
     python -m toolkit.export aoti RUN_DIR --out emulator.pt2 [--step N]
-    python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|soca] [--step N]
+    python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|aibalance-c710abb|soca]
     python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc [--step N] [--data-atmos ATMOS.nc]
     python -m toolkit.export predict --model emulator.pt2 --data IN.nc --out OUT.nc
     python -m toolkit.export predict RUN_DIR --data IN.nc --out soca.nc --layout soca --plot maps/ [--whole-grid]
@@ -24,7 +24,8 @@ is the artefact for new deployments; torch's deprecation warnings for this expor
 methods predict (physical -> physical), jac (d y_norm / d x_norm) and jac_physical, every output float32 as its
 float32 module returns them, and its metadata attributes (input_names, output_names, input_levels and output_levels
 as its exporter sets them: the atmosphere's fields at nlevs - 1, 127 by default, the ocean's at 0; meta with optimizer
-and loss as it writes them) plus meta.json as an extra file.
+and loss as it writes them) plus meta.json as an extra file. `--format aibalance-c710abb` is the layout of its commit
+c710abb, whose forward takes physical inputs (and returns physical outputs, float32; jac is d forward / d x).
 `--format soca` is SOCA MLBalance's layout: MODEL.pt as `torch::load(net, file)` reads it (layers fc1, fc2, ...,
 buffers input_mean, input_std, ...) and normalization.MODEL.pt as IceNet.h's loadNorm reads it ([input mean, input
 std], then the output's); export/cpp/ufs_net.h is the network class that reads them (toolkit.export.soca). An
@@ -70,17 +71,21 @@ from toolkit.process.entry import one_line_errors
 __all__ = ["EXPORTABLE", "Exportable", "best_checkpoint", "export_aoti", "export_soca", "export_torchscript",
            "load_package", "load_run", "load_torchscript", "main", "predict_netcdf", "read_soca", "soca_emulator"]
 
-TORCHSCRIPT_LAYOUTS = ("aibalance", "soca")
+TORCHSCRIPT_LAYOUTS = ("aibalance", "aibalance-c710abb", "soca")
 
 
 def _torchscript(args) -> None:
     if args.layout not in TORCHSCRIPT_LAYOUTS:
-        raise UsageError(f"--format {args.layout!r}: give {' or '.join(TORCHSCRIPT_LAYOUTS)} (aibalance's "
-                         "ufs_emulator.cpp, or SOCA's MLBalance)")
+        raise UsageError(f"--format {args.layout!r}: give {', '.join(TORCHSCRIPT_LAYOUTS[:-1])} or "
+                         f"{TORCHSCRIPT_LAYOUTS[-1]} (aibalance's ufs_emulator.cpp at HEAD or at c710abb, or SOCA's "
+                         "MLBalance)")
     if args.layout == "soca":
         meta = export_soca(args.run_dir, args.out, args.step)
         norm = Path(args.out).parent / meta["normalization"]
         written = f"{args.out} and {norm} (SOCA's layout: torch::load, loadNorm)"
+    elif args.layout == "aibalance-c710abb":
+        meta = export_torchscript(args.run_dir, args.out, args.step, layout=args.layout)
+        written = f"{args.out} (TorchScript, aibalance c710abb's layout: forward and jac physical)"
     else:
         meta = export_torchscript(args.run_dir, args.out, args.step)
         written = f"{args.out} (TorchScript, aibalance's layout: predict, jac, jac_physical)"
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     script.add_argument("--step", type=int, default=None, help="export this checkpoint instead of the best")
     script.add_argument(
         "--format", dest="layout", default="aibalance", metavar="LAYOUT",
-        help="aibalance (default: predict, jac, jac_physical and metadata) or soca (MODEL.pt + normalization.MODEL.pt)",
+        help="aibalance (default: aibalance HEAD's predict, jac, jac_physical and metadata), aibalance-c710abb (its "
+        "c710abb's: forward takes physical inputs) or soca (MODEL.pt + normalization.MODEL.pt)",
     )
     args = parser.parse_args(argv)
     check_writable(args.out, "--out")  # before any work: a read-only place failed only at the end, in a traceback

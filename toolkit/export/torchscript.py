@@ -5,11 +5,12 @@ ufs_emulator.cpp and SOCA's MLBalance load TorchScript archives. This module and
 places that call torch.jit, and every call is inside `quiet_torchscript()`, which silences torch's own deprecation
 warnings for these calls alone (by message; any other warning still shows).
 
-aibalance's layout (guillaumevernieres/aibalance at b1eccbc):
+aibalance's layout (guillaumevernieres/aibalance at b1eccbc, `--format aibalance`):
 ufsemulator/export_to_torchscript.py scripts its UfsEmulatorFFNN (ufsemulator/model.py) with torch.jit.script and
 saves it; the module holds
 
-- `network`, an nn.Sequential Linear, GELU, ..., Linear (model.py:32-47): our UfsEmulator's `net`, the same indices;
+- `network`, an nn.Sequential Linear, GELU, ..., Linear (model.py:32-47): our UfsEmulator's `net`, the same indices
+  (ReLU or no activation between the layers where the run trained so);
 - buffers input_mean, input_std, output_mean, output_std (model.py:50-53), here float64 as in our model;
 - attributes input_names, output_names (CF standard names), input_levels, output_levels and `meta`, as
   export_to_torchscript.py sets them: the levels are the vertical level each field was read at, the atmosphere's
@@ -32,6 +33,14 @@ saves it; the module holds
   caller reads them with data_ptr<float>()): computed as UfsEmulator computes them (normalisation in float64, the
   network in its own dtype) and rounded to float32 once, at the end, so each equals the model's value rounded.
 
+aibalance's layout of its commit c710abb (`--format aibalance-c710abb`), as its ufsemulator/model.py and
+ufs_emulator.cpp (`ufs_emulator MODEL INPUT_SIZE`: forward on a float32 [1, n], the Jacobian by backward through
+forward) use it: `forward` takes PHYSICAL inputs (c710abb's forward normalises them itself: (x - input_mean) /
+input_std, then the network) and returns physical outputs (c710abb trained on unnormalised targets; ours are
+denormalised), float32; `jac` is d forward / d x, physical units, [n, outputs, inputs]; the same buffers and the same
+predict and jac_physical as the HEAD layout, and the same metadata attributes (c710abb's module had none: extra
+attributes are ignored by its program).
+
 SOCA's layout (`--format soca`) is written by toolkit.export.soca.
 """
 
@@ -53,6 +62,7 @@ SUFFIXES = (".pt", ".ts")  # SOCA's files are .pt (test/Data/mlbalance/arctic.pt
 
 OCEAN_LEVEL = 0  # aibalance b1eccbc data.py: the ocean/ice fields read at [:, :, 0]; level_index 0
 ATMOSPHERE_LEVEL = 127  # its atm_level_index default (data.py, export_to_torchscript.py): nlevs - 1 of 128 levels
+LAYOUTS = ("aibalance", "aibalance-c710abb")  # the HEAD layout (forward normalised) and c710abb's (forward physical)
 
 
 # torch's notice for each torch.jit call: "`torch.jit.script` is deprecated. Please switch to ...", and on Python
@@ -281,31 +291,52 @@ class AibalanceEmulator(nn.Module):
         return scaled.float()
 
 
+class C710abbEmulator(AibalanceEmulator):
+    """aibalance c710abb's interface (ufsemulator/model.py at c710abb: forward normalises physical inputs itself;
+    jac is d forward / d x): forward is physical -> physical and jac is physical, float32; the other methods as the
+    HEAD layout's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Physical inputs [n, inputs] -> physical outputs [n, outputs], float32 (c710abb model.py:96-102): predict,
+        differentiable in x (ufs_emulator.cpp at c710abb takes its Jacobian by backward through forward)."""
+        return self.predict(x)
+
+    @torch.jit.export
+    def jac(self, x: torch.Tensor) -> torch.Tensor:
+        """d forward / d x in physical units, [n, outputs, inputs], float32 (c710abb model.py:104-124)."""
+        return self.jac_physical(x)
+
+
 def check_layers(model: nn.Module) -> None:
     for layer in model.net:
-        if not isinstance(layer, nn.Linear | nn.GELU):
-            raise UsageError(f"the TorchScript export knows Linear and GELU layers, not {type(layer).__name__}")
+        if not isinstance(layer, nn.Linear | nn.GELU | nn.ReLU | nn.Identity):
+            raise UsageError(f"the TorchScript export knows Linear, GELU, ReLU and Identity layers, not "
+                             f"{type(layer).__name__}")
 
 
-def script_aibalance(model: nn.Module, attributes: dict):
-    """The scripted module (aibalance's layout) of a UfsEmulator."""
+def script_aibalance(model: nn.Module, attributes: dict, layout: str = "aibalance"):
+    """The scripted module (aibalance's layout: HEAD's, or c710abb's) of a UfsEmulator."""
     check_layers(model)
+    interface = C710abbEmulator if layout == "aibalance-c710abb" else AibalanceEmulator
     with quiet_torchscript():
-        return torch.jit.script(AibalanceEmulator(model, attributes))
+        return torch.jit.script(interface(model, attributes))
 
 
-def export_torchscript(run_dir: Path | str, out: Path | str, step: int | None = None) -> dict:
-    """Write aibalance's TorchScript layout of a run to `out`; returns the export's meta (also the archive's
-    meta.json)."""
+def export_torchscript(run_dir: Path | str, out: Path | str, step: int | None = None,
+                       layout: str = "aibalance") -> dict:
+    """Write aibalance's TorchScript layout (`layout`: aibalance, HEAD's; aibalance-c710abb) of a run to `out`;
+    returns the export's meta (also the archive's meta.json)."""
     from toolkit.export.load import load_run
     from toolkit.run.rundir import RunDir, read_json
 
+    if layout not in LAYOUTS:
+        raise UsageError(f"--format {layout!r}: give one of {', '.join(LAYOUTS)}")
     out = check_out(out)
     model, meta = load_run(run_dir, step)
     recorded = read_json(RunDir(Path(run_dir)).config) or {}
     level, source = atmosphere_level(recorded.get("config") or {}, recorded.get("data") or {})
     meta = {**meta, "atmosphere_level": level, "atmosphere_level_from": source}
-    return write_torchscript(model, meta, run_config(run_dir), out)
+    return write_torchscript(model, meta, run_config(run_dir), out, layout)
 
 
 def run_config(run_dir: Path | str) -> dict:
@@ -315,10 +346,13 @@ def run_config(run_dir: Path | str) -> dict:
     return (read_json(RunDir(Path(run_dir)).config) or {}).get("config") or {}
 
 
-def write_torchscript(model: nn.Module, meta: dict, config: dict, out: Path) -> dict:
-    """aibalance's layout of a UfsEmulator `model` described by `meta` (load_run's) to `out`."""
-    meta = {**meta, "format": "torchscript (aibalance's layout)", "output_activation": output_activation(model)}
-    scripted = script_aibalance(model, model_attributes(model, meta, config))
+def write_torchscript(model: nn.Module, meta: dict, config: dict, out: Path, layout: str = "aibalance") -> dict:
+    """aibalance's layout (HEAD's, or `layout` aibalance-c710abb) of a UfsEmulator `model` described by `meta`
+    (load_run's) to `out`."""
+    words = "c710abb's: forward physical" if layout == "aibalance-c710abb" else "HEAD's: forward normalised"
+    meta = {**meta, "format": f"torchscript (aibalance's layout, {words})", "layout": layout,
+            "output_activation": output_activation(model)}
+    scripted = script_aibalance(model, model_attributes(model, meta, config), layout)
     with quiet_torchscript():
         write_whole(out, lambda path: scripted.save(str(path), _extra_files={"meta.json": json.dumps(meta)}))
     return meta
