@@ -198,6 +198,35 @@ def test_soca_layout_per_point(pair_run, tmp_path, capfd):
     assert [soca_name(n) for n in ("uocn", "qref", "fswdn")] == ["dcduocn", "dcdqref", "dcdfswdn"]  # not in IceEmul
 
 
+def test_lat_variable_names_the_latitude_as_lon_variable_names_the_longitude(pair_run, tmp_path, capfd):
+    """A file whose coordinates are under other names: without --lat-variable one line naming the training's
+    latitude; with --lat-variable and --lon-variable the same domain, values and coordinates as the training's file."""
+    import xarray as xr
+
+    run_dir, ocean, atmos = pair_run
+    for source, target in ((ocean, "renamed.nc"), (atmos, "atmos.nc")):  # both files hold the coordinates
+        with xr.open_dataset(source, decode_times=False) as ds:
+            ds.load().rename_vars(TLAT="nav_lat", TLON="nav_lon").to_netcdf(tmp_path / target)
+    renamed, plain_atmos, atmos = tmp_path / "renamed.nc", atmos, tmp_path / "atmos.nc"
+    plain, other = tmp_path / "plain.nc", tmp_path / "other.nc"
+    predict(run_dir, ocean, plain_atmos, plain, capfd)
+    case = tmp_path / "case"
+    case.mkdir()
+    assert_refused_here(["predict", str(run_dir), "--data", str(renamed), "--data-atmos", str(atmos), "--out",
+                         str(case / "out.nc")], ["no latitude variable 'TLAT' (the training's", "--lat-variable NAME"],
+                        case, capfd)
+    assert_refused_here(["predict", str(run_dir), "--data", str(renamed), "--data-atmos", str(atmos), "--out",
+                         str(case / "out.nc"), "--lat-variable", "nav_lat", "--lon-variable", "nope"],
+                        ["--lon-variable nope", "no longitude variable 'nope'"], case, capfd)
+    stdout = predict(run_dir, renamed, atmos, other, capfd, "--lat-variable", "nav_lat", "--lon-variable", "nav_lon")
+    assert "nav_lat >= 40" in stdout.splitlines()[0]
+    with xr.open_dataset(plain, decode_times=False) as a, xr.open_dataset(other, decode_times=False) as b:
+        assert np.array_equal(a["domain_mask"].values, b["domain_mask"].values)
+        assert np.array_equal(a["aice"].values, b["aice"].values, equal_nan=True)
+        assert np.array_equal(a["TLAT"].values, b["nav_lat"].values) and b["aice"].encoding["coordinates"] == (
+            "nav_lon nav_lat")
+
+
 def test_plot_draws_a_map_per_field(pair_run, tmp_path, capfd):
     run_dir, ocean, atmos = pair_run
     maps = tmp_path / "maps" / "here"

@@ -67,6 +67,7 @@ from toolkit.data.rows import TensorRows
 from toolkit.data.ufs_cf import (
     AIBALANCE_CF,
     CF_ATMOSPHERE,
+    LON_FOR_LAT,
     Level,
     alignment,
     at_surface,
@@ -357,12 +358,14 @@ def resolve_variables(
     domain: str = TOOLKIT,
     mask: str = "variable",
     zeroed=(),
+    optional=(),
 ) -> tuple[dict[str, tuple[Source, str]], str, str]:
     """Find every field, the mask and the latitudes: ({our name or the mask/latitude name: (file, name there)},
     mask key ("" = none), latitude key ("" = not needed)). A name not found is one error naming the names tried.
     `domain` decides what "auto" tries (the team's own names) and what its selection reads (SOCA's latitudes, the
     teams' aice); mask "thickness-tair" reads thick and tair instead of a mask variable, a team's "none" no mask.
-    `zeroed` inputs are not looked for (the domain's reader gives them as 0: ufs_domains.zeroed_inputs)."""
+    `zeroed` inputs are not looked for (the domain's reader gives them as 0: ufs_domains.zeroed_inputs), `optional`
+    names are taken where a file holds them (predict's truth) and left out where none does."""
     rule = domain_rule(domain)
     kind = mask_kind(domain, mask)
     thickness_tair = kind == "thickness-tair"
@@ -375,10 +378,13 @@ def resolve_variables(
     for name, what in needs:
         if name not in dict(wanted):  # read for the selection (a zeroed input too: the selection sees the file's)
             wanted.append((name, what))
+    wanted += [(name, "optional") for name in optional if name not in dict(wanted)]
     for name, what in wanted:
         tried = candidate_names(name, variables)
         standard = () if variables and name in variables else CF_NAMES.get(name, ())
         hit = find_variable(sources, tried, standard)
+        if hit is None and what == "optional":
+            continue
         if hit is None:
             raise _missing(sources, tried[0], what, tried, standard=bool(standard))
         if not (variables and name in variables):  # an explicit name is the user's choice
@@ -426,7 +432,7 @@ def resolve_variables(
 
 
 def field_view(sources: list[Source], found: dict[str, tuple[Source, str]], mask: str = "",
-               lat: str = "") -> tuple[FieldView, dict[str, Level], str]:
+               lat: str = "", others=()) -> tuple[FieldView, dict[str, Level], str]:
     """The found variables as 2-D fields on one grid, keyed as `found` is: leading length-1 dimensions dropped, a
     trailing level dimension read at the file's surface level (ufs_cf.at_surface), a Gaussian file's 1-D latitude or
     longitude broadcast to its grid, the two files checked to share one grid and, both Gaussian, the atmosphere's
@@ -455,7 +461,7 @@ def field_view(sources: list[Source], found: dict[str, tuple[Source, str]], mask
             if source is other and rename:
                 arrays[key] = arrays[key].rename(rename)
     view = FieldView(arrays, dict(sources[0].ds.attrs))
-    fields = {key: hit for key, hit in found.items() if key not in (mask, lat)}
+    fields = {key: hit for key, hit in found.items() if key not in (mask, lat, *others)}
     check_same_grid(sources, fields, view)
     line = ""
     if gaussian_pair:
@@ -815,11 +821,49 @@ def patterns_fingerprint(path: Path, atmos_path: Path | None, meta: dict, thin: 
     return fingerprint
 
 
+def find_coordinates(sources: list[Source], lat_variable: str | None = None,
+                     lon_variable: str | None = None) -> tuple[tuple[Source, str], tuple[Source, str]] | None:
+    """The latitude and longitude of the grid's cells, for predict's output and maps: `lat_variable` (--lat-variable)
+    where given, else the first file's own (ufs_cf.file_axes: TLAT, ULAT, lat, latitude or standard_name latitude;
+    --data before --data-atmos); `lon_variable` where given, else the latitude's partner (TLAT: TLON, ULAT: ULON,
+    lat: lon, latitude: longitude) in the latitude's file, else that file's own longitude. None when no file has a
+    latitude and none was named; a named variable missing, or a latitude without a longitude, is one line."""
+    def named(name: str, flag: str, what: str) -> tuple[Source, str]:
+        hit = find_variable(sources, [name])
+        if hit is None:
+            files = " and ".join(f"{s.flag} {s.path}" for s in sources)
+            have = ", ".join(sorted({str(v) for s in sources for v in s.ds.variables})[:30])
+            raise UsageError(f"{flag} {name}: {files} {'have' if len(sources) > 1 else 'has'} no {what} variable "
+                             f"{name!r}; the file{'s have' if len(sources) > 1 else ' has'}: {have}")
+        return hit
+
+    if lat_variable:
+        lat = named(lat_variable, "--lat-variable", "latitude")
+    else:
+        axes = next(((source, a) for source in sources if (a := file_axes(source)) is not None), None)
+        if axes is None:
+            return None
+        lat = (axes[0], axes[1].lat)
+    if lon_variable:
+        return lat, named(lon_variable, "--lon-variable", "longitude")
+    source, name = lat
+    partner = LON_FOR_LAT.get(name) or name.replace("LAT", "LON").replace("lat", "lon")
+    if partner != name and partner in source.ds.variables:
+        return lat, (source, partner)
+    own = file_axes(source)
+    if own is not None and own.lon is not None:
+        return lat, (source, own.lon)
+    raise UsageError(f"{source.flag} {source.path}: latitude {name!r} has no longitude beside it ({partner!r} is not "
+                     "there); name it with --lon-variable")
+
+
 @dataclass
 class Fields:
-    """What open_fields found: the view (keys: our names, the mask's and the latitude's names), {key: (file, name
-    there)}, the mask and latitude keys ("" = none), the levels read, the line on a reordered atmosphere, the label
-    of the file(s) for messages, and the inputs given as 0 (zeroed)."""
+    """What open_fields found: the view (keys: our names, the mask's, the latitude's and the coordinates' names),
+    {key: (file, name there)}, the mask and latitude keys ("" = none), the levels read, the line on a reordered
+    atmosphere, the label of the file(s) for messages, the inputs given as 0 (zeroed), the coordinates' keys (("",
+    "") when not asked for or none found), whether they were 1-D axes (a Gaussian grid), and the fields' leading
+    length-1 dimension: (its name, its coordinate variable or None), or None."""
 
     view: FieldView
     found: dict
@@ -829,6 +873,9 @@ class Fields:
     reordered: str
     label: str
     zeroed: list = field(default_factory=list)
+    coordinates: tuple[str, str] = ("", "")
+    axes_1d: bool = False
+    time: tuple | None = None
 
 
 def zero_fields(view: FieldView, zeroed, like: str, path) -> None:
@@ -841,14 +888,30 @@ def zero_fields(view: FieldView, zeroed, like: str, path) -> None:
             "long_name": f"{name}: 0 at every cell (the domain's reader reads no {name})"})
 
 
+def leading_time(found: dict, first: str) -> tuple | None:
+    """The first field's leading length-1 dimension as stored (CICE's time), read now: (its name, its coordinate
+    variable or None), or None when it has none."""
+    xr = extras.xarray()
+    source, var = found[first]
+    stored = source.ds[var]
+    if stored.ndim < 3 or stored.shape[0] != 1:
+        return None
+    dim = str(stored.dims[0])
+    if dim not in source.ds.variables:
+        return dim, None
+    stamp = source.ds[dim].variable
+    return dim, xr.Variable(stamp.dims, np.asarray(stamp.values), dict(stamp.attrs))
+
+
 @contextlib.contextmanager
 def open_fields(path: Path | str, atmos_path: Path | str | None = None, *, inputs=DEFAULT_INPUTS,
                 outputs=DEFAULT_OUTPUTS, variables: dict[str, str] | None = None, mask_variable: str = AUTO,
                 lat_variable: str = AUTO, need_lat: bool = True, need_ice: bool = False, domain: str = TOOLKIT,
-                mask: str = "variable", zeroed=()):
+                mask: str = "variable", zeroed=(), optional=(), coordinates: tuple | None = None):
     """The file (and the atmosphere file) open, every variable found (resolve_variables) and read as training reads
     it (field_view: surface levels, Gaussian axes broadcast, the pair matched by coordinate value), the `zeroed`
-    inputs as fields of 0 (zero_fields): a Fields, for
+    inputs as fields of 0 (zero_fields), `optional` names where a file has them; with `coordinates` (latitude and
+    longitude names, None for the file's own: find_coordinates) the cells' coordinates too: a Fields, for
     select_patterns and read_shard. Closed on exit."""
     path = Path(path).expanduser()
     with contextlib.ExitStack() as files:
@@ -860,13 +923,21 @@ def open_fields(path: Path | str, atmos_path: Path | str | None = None, *, input
         found, mask_key, lat = resolve_variables(sources, list(inputs), list(outputs), variables=variables,
                                                  mask_variable=mask_variable, lat_variable=lat_variable,
                                                  need_lat=need_lat, need_ice=need_ice, domain=domain, mask=mask,
-                                                 zeroed=zeroed)
-        view, levels, reordered = field_view(sources, found, mask_key, lat)
+                                                 zeroed=zeroed, optional=optional)
+        keys, axes_1d = ("", ""), False
+        located = None if coordinates is None else find_coordinates(sources, *coordinates)
+        if located is not None:
+            keys = tuple(name for _, name in located)
+            for key, hit in zip(keys, located, strict=True):
+                found.setdefault(key, hit)
+            axes_1d = all(found[key][0].ds[found[key][1]].ndim == 1 for key in keys)
+        view, levels, reordered = field_view(sources, found, mask_key, lat, others=keys)
         label = f"{path} (with --data-atmos {atmos_path})" if atmos_path is not None else str(path)
         first = next((name for name in [*inputs, *outputs] if name in found), None)
         if zeroed:
             zero_fields(view, zeroed, first, label)
-        yield Fields(view, found, mask_key, lat, levels, reordered, label, list(zeroed))
+        time = leading_time(found, first) if first is not None else None
+        yield Fields(view, found, mask_key, lat, levels, reordered, label, list(zeroed), keys, axes_1d, time)
 
 
 def check_zeroed(domain: str, zeroed, outputs_not_read, variables: dict[str, str] | None) -> None:

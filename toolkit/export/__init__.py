@@ -3,6 +3,7 @@
     python -m toolkit.export aoti RUN_DIR --out emulator.pt2 [--step N]
     python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|aibalance-c710abb|soca]
     python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc [--step N] [--data-atmos ATMOS.nc]
+    python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc --lat-variable nav_lat --lon-variable nav_lon
     python -m toolkit.export predict --model emulator.pt2 --data IN.nc --out OUT.nc
     python -m toolkit.export predict RUN_DIR --data IN.nc --out soca.nc --layout soca --plot maps/ [--whole-grid]
 
@@ -20,32 +21,35 @@ torch::inductor::AOTIModelPackageLoader (export/cpp/), Python with torch._induct
 
 `torchscript` writes a TorchScript archive for the programs that load TorchScript (torch 2.13 deprecates it: `aoti`
 is the artefact for new deployments; torch's deprecation warnings for this export are silenced inside it only).
-`--format aibalance` (the default) is aibalance's layout (guillaumevernieres/aibalance, export_to_torchscript.py):
-methods predict (physical -> physical), jac (d y_norm / d x_norm) and jac_physical, every output float32 as its
-float32 module returns them, and its metadata attributes (input_names, output_names, input_levels and output_levels
-as its exporter sets them: the atmosphere's fields at nlevs - 1, 127 by default, the ocean's at 0; meta with optimizer
-and loss as it writes them) plus meta.json as an extra file. `--format aibalance-c710abb` is the layout of its commit
-c710abb, whose forward takes physical inputs (and returns physical outputs, float32; jac is d forward / d x).
-`--format soca` is SOCA MLBalance's layout: MODEL.pt as `torch::load(net, file)` reads it (layers fc1, fc2, ...,
-buffers input_mean, input_std, ...) and normalization.MODEL.pt as IceNet.h's loadNorm reads it ([input mean, input
-std], then the output's); export/cpp/ufs_net.h is the network class that reads them (toolkit.export.soca). An
-existing --out file is replaced whole, as by `aoti`.
+`--format aibalance` (the default) is aibalance's layout at its HEAD (guillaumevernieres/aibalance b1eccbc,
+export_to_torchscript.py): methods forward (normalised in and out), predict (physical -> physical), jac (d y_norm /
+d x_norm) and jac_physical, every output float32 as its float32 module returns them, and its metadata attributes
+(input_names, output_names, input_levels and output_levels as its exporter sets them: the atmosphere's fields at
+nlevs - 1, 127 by default, the ocean's at 0; meta with optimizer and loss as it writes them) plus meta.json as an
+extra file (toolkit.export.torchscript). `--format aibalance-c710abb` is the layout of its commit c710abb, whose
+forward takes physical inputs (and returns physical outputs, float32; jac is d forward / d x). `--format soca` is
+SOCA MLBalance's layout (toolkit.export.soca). An existing --out file is replaced whole, as by `aoti`.
 
 `predict` runs the model (a run's, or --model an exported package) on every cell of IN.nc's sea-ice domain (with
---data-atmos, of the ocean/ice + atmosphere pair on one grid, as the training reads a pair), selected as the run
-selected it: toolkit.data.ufs.select_patterns with every domain option of the run's config (mask and latitude
-variables as the training resolved them, latitude bound, hemisphere, --no-open-water, and any option select_patterns
-takes under a config field's name; no thinning, no cap), said in one printed line; --whole-grid takes every ocean
-cell instead (the mask only). Each input is read under the name the training's file had for it, else ours, CICE's
-or CF's. It writes OUT.nc on IN.nc's grid: each output (e.g. `aice`, standard_name sea_ice_area_fraction, clipped to
-[0, 1] with the share of cells clipped printed and in the attribute aice_clipped_share), its Jacobian as one
-variable per input named d<output>_d<input> (e.g. `daice_dsst`, units aice's per sst's), longitude and latitude,
-and `domain_mask`; the input's leading time dimension where it has one; fill values (1e30, as CICE writes) outside
-the domain; CF attributes (long_name, units, _FillValue, coordinates). --layout soca writes SOCA's per-point file
-instead (IceEmul.h: dimension n, lon, lat, the input's aice, the emulated aice_ffnn, the Jacobian as dcdt, dcds,
-dcdsi, dcdtair, dcdtsfc, dcdhi, dcdhs, ...: netcdf.soca_name). --plot DIR draws polar-stereographic maps, north
-and south, of the emulated output, its error against the input's and each Jacobian column (toolkit.export.maps).
-Files are written whole or not at all (temporary file, rename).
+--data-atmos, of the ocean/ice + atmosphere pair on one grid), the files read as the training reads them
+(toolkit.data.ufs.open_fields: CICE files, aibalance's CF pair on a Gaussian grid at its surface level, the inputs
+the run's domain gives as 0 given as 0) and selected as the run selected them: toolkit.data.ufs.select_patterns
+with every domain option of the run's config (mask and latitude variables as the training resolved them, latitude
+bound, hemisphere, --no-open-water, and any option select_patterns takes under a config field's name; no thinning,
+no cap), said in one printed line; --whole-grid takes every ocean cell instead (the run's mask, or its thickness-tair
+ocean). Each input is read under the name the training's file had for it, else ours, CICE's or CF's. --lat-variable
+names the latitude in IN.nc as --lon-variable names the longitude (default: the training's latitude; for a run that
+read none, the file's own: TLAT, ULAT, lat, latitude or standard_name latitude; the longitude beside it): the
+domain's latitude bound reads it, and the output's coordinates are these two. It writes OUT.nc on IN.nc's grid: each
+output (e.g. `aice`, standard_name sea_ice_area_fraction, clipped to [0, 1] with the share of cells clipped printed
+and in the attribute aice_clipped_share), its Jacobian as one variable per input named d<output>_d<input> (e.g.
+`daice_dsst`, units aice's per sst's), longitude and latitude (1-D axes where the input's were), and `domain_mask`;
+the input's leading time dimension where it has one; fill values (1e30, as CICE writes) outside the domain; CF
+attributes (long_name, units, _FillValue, coordinates). --layout soca writes SOCA's per-point file instead, as
+IceEmul.h's predict writes it: dimensions n and n_inputs, every variable float32 on n: lon, lat, the input's aice,
+the emulated aice_ffnn, the Jacobian as dcdt, dcds, dcdsi, dcdtair, dcdtsfc, dcdhi, dcdhs, ... (netcdf.soca_name).
+--plot DIR draws polar-stereographic maps, north and south, of the emulated output, its error against the input's
+and each Jacobian column (toolkit.export.maps). Files are written whole or not at all (temporary file, rename).
 
 The package's parts: load (the checkpoint, the registry EXPORTABLE of families that export knows, packages), aoti
 (the .pt2), torchscript and soca (the TorchScript archives), netcdf (read the domain, predict in chunks, write the
@@ -113,7 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     predict.add_argument("--out", type=Path, required=True, help="netCDF file to write, e.g. emulated.nc")
     predict.add_argument("--step", type=int, default=None, help="use this checkpoint of RUN_DIR instead of the best")
     predict.add_argument(
-        "--lon-variable", default=None, help="longitude variable (default: the latitude's name with LAT -> LON)"
+        "--lat-variable", default=None, help="latitude variable in --data (default: the training's, else the file's "
+        "own: TLAT, ULAT, lat, latitude or standard_name latitude); the domain's bound and the output's coordinates"
+    )
+    predict.add_argument(
+        "--lon-variable", default=None, help="longitude variable (default: the latitude's partner, LAT -> LON)"
     )
     predict.add_argument("--data-atmos", type=Path, default=None,
                          help="the atmosphere's file on --data's grid, for a run trained on two files")
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             run_dir=args.run_dir,
             model_path=args.model,
             step=args.step,
+            lat_variable=args.lat_variable,
             lon_variable=args.lon_variable,
             data_atmos=args.data_atmos,
             whole_grid=args.whole_grid,

@@ -85,12 +85,22 @@ def _named(resolved: str | None, given: str | None, default: str) -> str:
     return default if given in (None, "auto") else given
 
 
+def zeroed_inputs(data: dict) -> list[str]:
+    """The inputs the run trained on as 0 (its domain's reader reads none of them: aibalance b1eccbc's), as its data
+    fingerprint records them ("/zeroed=sice,uocn,..."); [] for a run that read them all (every run made before)."""
+    fingerprint = str(data.get("fingerprint") or "")
+    if "/zeroed=" not in fingerprint:
+        return []
+    return fingerprint.split("/zeroed=", 1)[1].split("/", 1)[0].split(",")
+
+
 def _ufs_emulator_meta(config: dict, data: dict) -> dict:
     return {
         "inputs": list(config["inputs"]),
         "outputs": list(config["outputs"]),
         "units": data.get("units") or {},
         "variables": data.get("variables") or {},  # our name -> the name in the training's file, when it differed
+        "zeroed": zeroed_inputs(data),  # inputs given as 0, as the training had them (predict gives them so too)
         "domain": {
             # the names the training resolved ("auto": tried in order), else the flags as given
             "mask_variable": _named(data.get("mask_variable"), config.get("mask_variable"), "tmask"),

@@ -1,9 +1,11 @@
 """`python -m toolkit.export predict`: a model (a run's, or an exported package) on every cell of a netCDF file's
 sea-ice domain, in steps: load the model (toolkit.export.load), derive the selection from the run's domain options
 (selection_options: the one place they are read), read the domain's inputs from one file or an ocean/ice +
-atmosphere pair (read_domain), predict in chunks (predict_in_chunks), clip fractions to [0, 1] (clip_fractions),
-write the CF file on the grid (write_netcdf) or SOCA's per-point file (write_soca), whole or not at all, and draw the
-maps (toolkit.export.maps)."""
+atmosphere pair as the training reads them (read_domain, through toolkit.data.ufs.open_fields: levels, Gaussian
+axes, the pair matched by coordinate value, the inputs the run's domain gives as 0), predict in chunks
+(predict_in_chunks), clip fractions to [0, 1] (clip_fractions), write the CF file on the grid (write_netcdf) or
+SOCA's per-point file as IceEmul.h writes it (write_soca: float32, dimensions n and n_inputs), whole or not at all,
+and draw the maps (toolkit.export.maps)."""
 
 from __future__ import annotations
 
@@ -53,12 +55,13 @@ class Domain:
     truth: dict = field(default_factory=dict)  # {output: its values in the file at the cells}, where it has them
     time: tuple | None = None  # (the fields' leading length-1 dimension, its coordinate variable or None)
     land: np.ndarray | None = None  # the grid's cells outside the ocean mask (for the maps), None without a mask
+    axes_1d: bool = False  # the coordinates were a Gaussian grid's 1-D axes: written back 1-D
 
 
 def predict_netcdf(data: Path | str, out: Path | str, *, run_dir: Path | str | None = None,
                    model_path: Path | str | None = None, step: int | None = None,
                    lon_variable: str | None = None, data_atmos: Path | str | None = None, whole_grid: bool = False,
-                   layout: str = "grid", plot_dir: Path | str | None = None) -> dict:
+                   layout: str = "grid", plot_dir: Path | str | None = None, lat_variable: str | None = None) -> dict:
     """Predictions and Jacobian on every domain cell of `data` (with `data_atmos`: the pair), the domain as the run
     selected it (every ocean cell with `whole_grid`), written to `out` on its grid or per point (`layout` soca), and
     maps in `plot_dir` (toolkit.export's docstring); returns a summary (out, cells, domain, clipped, plots, ...)."""
@@ -94,7 +97,12 @@ def predict_netcdf(data: Path | str, out: Path | str, *, run_dir: Path | str | N
     if layout == "soca" and meta["outputs"] != ["aice"]:
         raise UsageError(f"--layout soca writes SOCA's aice_ffnn and its Jacobian dc/d<input>; this model emulates "
                          f"{', '.join(meta['outputs'])}: use --layout grid")
-    domain = read_domain(data, meta, lon_variable, atmos=atmos, whole_grid=whole_grid)
+    domain = read_domain(data, meta, lon_variable, atmos=atmos, whole_grid=whole_grid, lat_variable=lat_variable)
+    if not domain.coordinates and (layout == "soca" or plot_dir is not None):
+        what = "--layout soca writes each point's lat and lon" if layout == "soca" else "--plot draws on latitudes"
+        raise UsageError(f"{what}, and --data {data}{'' if atmos is None else f' (with --data-atmos {atmos})'} has "
+                         "no latitude/longitude variable found by name (TLAT, ULAT, lat, latitude, standard_name "
+                         "latitude): give --lat-variable and --lon-variable")
     predictions, jacobian = predict_in_chunks(predict, domain.x)
     predictions, clipped = clip_fractions(predictions, meta["outputs"])
     writer = write_soca if layout == "soca" else write_netcdf
@@ -103,7 +111,7 @@ def predict_netcdf(data: Path | str, out: Path | str, *, run_dir: Path | str | N
     if plot_dir is not None:
         from toolkit.export.maps import draw_maps
 
-        lat, lon = (values for values, _, _ in domain.coordinates.values())
+        lat, lon = (values for values, _, _ in domain.coordinates.values())  # latitude first
         plots = draw_maps(plot_dir, map_fields(meta, domain, predictions, jacobian), lat, lon, domain.land)
     return {"out": str(out), "cells": len(domain.cells), "grid": list(domain.grid_shape), "source": source,
             "outputs": meta["outputs"], "inputs": meta["inputs"], "layout": layout, "plots": [str(p) for p in plots],
@@ -141,18 +149,30 @@ def selection_options(meta: dict, whole_grid: bool = False) -> dict:
     options = {key: settings[key] for key in parameters
                if key in settings and key not in ("ds", "path", "names", "mask_variable", "lat_variable")}
     options["mask_variable"] = domain.get("mask_variable", "tmask")
-    options["lat_variable"] = domain.get("lat_variable") or "TLAT"
+    options["lat_variable"] = domain.get("lat_variable", "TLAT")  # "": the run read no latitude
     options["min_abs_lat"] = float(options.get("min_abs_lat", 0.0))
     if settings.get("open_water", True) is False and "ice_variable" in parameters and "open_water" not in parameters:
         options["ice_variable"] = "aice"
     options.update({key: value for key, value in SAMPLING.items() if key in parameters})
     if whole_grid:
+        ocean = ocean_kind(options)
         for key in list(options):
             default = parameters[key].default
             if key not in ("mask_variable", "lat_variable", *SAMPLING) and default is not inspect.Parameter.empty:
                 options[key] = default
         options["min_abs_lat"] = 0.0
+        if "mask" in parameters:  # the run's ocean (a mask variable, or thickness-tair), ours to compare
+            options["mask"] = ocean
     return options
+
+
+def ocean_kind(options: dict) -> str:
+    """The run's ocean as --whole-grid keeps it: thickness-tair where the run's mask was that, else its variable."""
+    from toolkit.data.ufs_domains import DOMAINS
+
+    rule = DOMAINS.get(options.get("domain", "toolkit"))
+    kind = (rule.mask if rule is not None else None) or options.get("mask", "variable")
+    return "thickness-tair" if kind == "thickness-tair" else "variable"
 
 
 def describe_selection(options: dict) -> str:
@@ -177,84 +197,86 @@ def describe_selection(options: dict) -> str:
 
 
 def read_domain(data: Path, meta: dict, lon_variable: str | None, *, atmos: Path | None = None,
-                whole_grid: bool = False) -> Domain:
-    """The inputs on every cell of the domain of `data` (and `atmos`, on the same grid): select_patterns with
-    selection_options (no thinning, no cap); each input under the name the training's file had for it where the
-    file(s) hold that name, else found as the training finds it (ours, CICE's, CF's); the outputs' values where the
-    file(s) hold them (the truth, for the error maps and SOCA's file); units that differ from the training's, and
-    missing values inside the domain, are refused in one line."""
+                whole_grid: bool = False, lat_variable: str | None = None) -> Domain:
+    """The inputs on every cell of the domain of `data` (and `atmos`, on the same grid), read as the training reads
+    them (toolkit.data.ufs.open_fields: the surface level of fields with a level dimension, a Gaussian file's 1-D
+    axes broadcast, the pair matched by coordinate value, the inputs the run's domain gives as 0 as 0) and selected
+    by select_patterns with selection_options (no thinning, no cap); each input under the name the training's file
+    had for it where the file(s) hold that name, else found as the training finds it (ours, CICE's, CF's); the
+    outputs' values where the file(s) hold them (the truth, for the error maps and SOCA's file); the cells'
+    latitude and longitude: `lat_variable` (--lat-variable; it also bounds the domain where the run's domain has a
+    latitude bound) or the training's, else the file's own (find_coordinates; a run that read no latitude asks for
+    none), and `lon_variable` or the latitude's partner. Units that differ from the training's, and missing values
+    inside the domain, are refused in one line."""
     from toolkit.data.ufs import (
         CF_NAMES,
-        FieldView,
         Source,
         candidate_names,
         find_variable,
         grid_field,
         never_written,
         open_dataset,
+        open_fields,
         read_shard,
         resolve_variables,
         select_patterns,
     )
-
     inputs, outputs, units = meta["inputs"], meta["outputs"], meta.get("units") or {}
+    config = meta.get("config") or {}
     options = selection_options(meta, whole_grid)
+    if lat_variable and options.get("lat_variable"):  # the domain's bound reads the latitude named here
+        options["lat_variable"] = lat_variable
     where = describe_selection(options)
-    mask_variable, lat_variable = options["mask_variable"], options["lat_variable"]
+    mask_variable, bound_lat = options["mask_variable"], options.get("lat_variable") or ""
     ice = options.get("ice_variable") or ""
-    if lon_variable is None:
-        lon_variable = lat_variable.replace("LAT", "LON").replace("lat", "lon")
-    trained_atmos = (meta.get("config") or {}).get("data_atmos")
-    with contextlib.ExitStack() as files:
+    zeroed = [name for name in meta.get("zeroed") or [] if name in inputs]  # as the run trained on them
+    trained_atmos = config.get("data_atmos")
+    with contextlib.ExitStack() as files:  # the names the training's files had, where these files hold them
         sources = [Source("--data", data, files.enter_context(open_dataset(data)))]
         if atmos is not None:
             sources.append(Source("--data-atmos", atmos, files.enter_context(open_dataset(atmos, "--data-atmos"))))
-        path = data if atmos is None else f"{data} (with --data-atmos {atmos})"
         named = " and ".join(f"{s.flag} {s.path}" for s in sources)
         present = {str(v) for s in sources for v in s.ds.variables}
-        trained_names = {name: variable for name, variable in (meta.get("variables") or {}).items()
-                         if name in (*inputs, *outputs) and variable in present}
-        if ice and find_variable(sources, candidate_names(ice, trained_names), CF_NAMES.get(ice, ())) is None:
+        if ice and find_variable(sources, candidate_names(ice, meta.get("variables")),
+                                 CF_NAMES.get(ice, ())) is None:
             raise UsageError(f"{named}: the run left open water out (--no-open-water), which needs the ice fraction "
                              f"{ice!r} (nor {', '.join(candidate_names(ice)[1:])}); give a file with it, or "
                              "--whole-grid to predict on every ocean cell")
-        # the options that decide which variables the selection reads (a team's domain: aice, ...) pass on too
-        resolving = {key: value for key, value in options.items()
-                     if key in inspect.signature(resolve_variables).parameters and key not in NOT_OPTIONS}
+        if bound_lat and bounds_latitude(options) and bound_lat not in present:
+            given = "--lat-variable's" if lat_variable else "the training's"
+            raise UsageError(f"{named} {'have' if atmos else 'has'} no latitude variable {bound_lat!r} ({given}, "
+                             f"for the run's domain: {where}); give --lat-variable NAME, or --whole-grid to predict "
+                             "on every ocean cell")
+    trained_names = {name: variable for name, variable in (meta.get("variables") or {}).items()
+                     if name in (*inputs, *outputs) and variable in present}
+    # the options that decide which variables the selection reads (a team's domain: aice, ...) pass on too
+    resolving = {key: value for key, value in options.items()
+                 if key in inspect.signature(resolve_variables).parameters and key not in NOT_OPTIONS}
+    coordinate_lat = lat_variable or bound_lat or None
+    path = data if atmos is None else f"{data} (with --data-atmos {atmos})"
+    with contextlib.ExitStack() as stack:
         try:
-            found, _, _ = resolve_variables(sources, inputs, [], variables=trained_names, mask_variable="",
-                                            need_lat=False, need_ice=bool(ice), **resolving)
+            fields = stack.enter_context(open_fields(
+                data, atmos, inputs=inputs, outputs=[], variables=trained_names, mask_variable=mask_variable,
+                lat_variable=bound_lat or "auto", need_lat=bool(bound_lat) and bounds_latitude(options),
+                need_ice=bool(ice), zeroed=zeroed, optional=outputs, coordinates=(coordinate_lat, lon_variable),
+                **resolving))
         except UsageError as error:
             if trained_atmos and atmos is None:
                 raise UsageError(f"{error}; the run was trained with --data-atmos {trained_atmos}: give the "
                                  "atmosphere file as --data-atmos") from None
             raise
-        for output in outputs:  # the truth, where the file(s) hold it
-            hit = found.get(output) or find_variable(sources, candidate_names(output, trained_names),
-                                                     CF_NAMES.get(output, ()))
-            if hit is not None:
-                found[output] = hit
-        for name, what in ((mask_variable, "mask (the training's mask_variable)"),
-                           (lat_variable, "latitude (the training's lat_variable)"),
-                           (lon_variable, "longitude (--lon-variable)")):
-            if not name:
-                continue
-            hit = find_variable(sources, [name])
-            if hit is None:
-                have = ", ".join(sorted({str(v) for s in sources for v in s.ds.data_vars})[:30])
-                raise UsageError(f"{named} {'have' if atmos else 'has'} no {what} variable {name!r}; "
-                                 f"the file{'s have' if atmos else ' has'}: {have}")
-            found[name] = hit
-        view = FieldView({name: source.ds[variable] for name, (source, variable) in found.items()},
-                         dict(sources[0].ds.attrs))
+        view, found = fields.view, fields.found
         for name in inputs:
             have, trained = str(view[name].attrs.get("units", "")), units.get(name, "")
-            if have and trained and have != trained:
+            if name not in zeroed and have and trained and have != trained:
                 raise UsageError(
                     f"--data {path}: input {name!r} is in {have}; the model was trained on {trained}: convert it first"
                 )
-        selection = select_patterns(  # names: lon/lat too, so select_patterns checks they lie on the fields' grid
-            view, path, names=[*inputs, lat_variable, lon_variable], **options
+        lat_key, lon_key = fields.coordinates
+        selection = select_patterns(  # names: lat/lon too, so select_patterns checks they lie on the fields' grid
+            view, path, names=[*inputs, *(key for key in (lat_key, lon_key) if key)],
+            **{**options, "mask_variable": fields.mask_key, "lat_variable": fields.lat}
         )
         where = getattr(selection, "where", "") or where  # the selection's own words where it has them
         x = torch.from_numpy(read_shard(view, path, inputs, selection.cells, 0, 1))
@@ -262,25 +284,23 @@ def read_domain(data: Path, meta: dict, lon_variable: str | None, *, atmos: Path
                  for output in outputs if output in found}
         first = (inputs[0], grid_field(view, inputs[0], path))
         dims = tuple(str(d) for d in first[1].dims)
-        stored = view[inputs[0]]
-        time = None
-        if stored.ndim == 3:  # a leading length-1 dimension (time): the output keeps it
-            time_dim = str(stored.dims[0])
-            home = found[inputs[0]][0].ds
-            if time_dim in home.variables:  # its values read now: the file closes below
-                stamp = home[time_dim].variable
-                time = (time_dim, extras.xarray().Variable(stamp.dims, np.asarray(stamp.values), dict(stamp.attrs)))
-            else:
-                time = (time_dim, None)
         coordinates = {}
-        for name, axis in ((lat_variable, "latitude"), (lon_variable, "longitude")):
-            grid = grid_field(view, name, path, like=first)
-            coordinates[name] = (np.asarray(grid.values), dict(grid.attrs), axis)
+        for name, axis in ((lat_key, "latitude"), (lon_key, "longitude")):
+            if name:
+                grid = grid_field(view, name, path, like=first)
+                coordinates[name] = (np.asarray(grid.values), dict(grid.attrs), axis)
         land = None
-        if mask_variable:
-            mask = np.asarray(grid_field(view, mask_variable, path, like=first).values, dtype=np.float64)
+        if fields.mask_key:
+            mask = np.asarray(grid_field(view, fields.mask_key, path, like=first).values, dtype=np.float64)
             land = ~(np.nan_to_num(mask) > 0.5)
+        elif "thick" in found and "tair" in view.variables:  # thickness-tair: its ocean
+            from toolkit.data.ufs_domains import thickness_tair_ocean
+
+            ocean = thickness_tair_ocean(np.asarray(grid_field(view, "thick", path, like=first).values),
+                                         np.asarray(grid_field(view, "tair", path, like=first).values))
+            land = ~ocean
         long_names = {name: str(view[name].attrs.get("long_name", name)) for name in inputs}
+        time, axes_1d = fields.time, fields.axes_1d
     missing = (~torch.isfinite(x) | never_written(x)).sum(dim=0)  # a cell never written is no more a value than NaN
     for name, count in zip(inputs, missing.tolist(), strict=True):
         if count:
@@ -289,7 +309,18 @@ def read_domain(data: Path, meta: dict, lon_variable: str | None, *, atmos: Path
                 f"({len(x)} cells: {where}); fill them or mask those cells"
             )
     truth = {name: torch.where(never_written(values), torch.nan, values) for name, values in truth.items()}
-    return Domain(x, selection.cells, selection.grid_shape, dims, where, coordinates, long_names, truth, time, land)
+    return Domain(x, selection.cells, selection.grid_shape, dims, where, coordinates, long_names, truth, time, land,
+                  axes_1d)
+
+
+def bounds_latitude(options: dict) -> bool:
+    """Whether the selection reads a latitude: a pole's team, or ours with a bound or one hemisphere."""
+    from toolkit.data.ufs_domains import domain_rule
+
+    domain = options.get("domain", "toolkit")
+    if domain != "toolkit":
+        return domain_rule(domain).pole
+    return float(options.get("min_abs_lat", 0.0)) > 0 or options.get("hemisphere", "both") != "both"
 
 
 def predict_in_chunks(predict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,20 +416,19 @@ def write_netcdf(out: Path, domain: Domain, predictions: torch.Tensor, jacobian:
         grid[cells] = values.numpy()
         return grid.reshape(shape if domain.time is None else (1, *shape))
 
-    lat_variable, lon_variable = domain.coordinates
-    coordinates = f"{lon_variable} {lat_variable}"
+    coordinates = " ".join(reversed(list(domain.coordinates)))  # "TLON TLAT"; "" without coordinates
     variables = {}
     for o, output in enumerate(outputs):
         variables[output] = xr.Variable(time_dims, on_grid(predictions[:, o]), {
             **output_attributes(output, units, clipped, "emulated by the UFS sea-ice emulator"),
-            "coordinates": coordinates,
+            **({"coordinates": coordinates} if coordinates else {}),
         })
         for i, name in enumerate(inputs):
             variables[f"d{output}_d{name}"] = xr.Variable(time_dims, on_grid(jacobian[:, o, i]), {
                 "long_name": f"d {output} / d {name}: Jacobian of the emulated {output} with respect to "
                 f"{domain.long_names[name]}",
                 "units": units_per(units.get(output, "1"), units.get(name, "")),
-                "coordinates": coordinates,
+                **({"coordinates": coordinates} if coordinates else {}),
             })
     domain_mask = np.zeros(shape[0] * shape[1], dtype=np.int8)
     domain_mask[cells] = 1
@@ -407,12 +437,16 @@ def write_netcdf(out: Path, domain: Domain, predictions: torch.Tensor, jacobian:
         "comment": f"cells with {domain.where}",
         "flag_values": np.array([0, 1], dtype=np.int8),
         "flag_meanings": "outside_domain inside_domain",
-        "coordinates": coordinates,
+        **({"coordinates": coordinates} if coordinates else {}),
     })
     for name, (values, attrs, axis) in domain.coordinates.items():
         default_units = "degrees_north" if axis == "latitude" else "degrees_east"
         attrs = {"long_name": axis, **attrs, "standard_name": axis, "units": attrs.get("units", default_units)}
-        variables[name] = xr.Variable(dims, values, attrs)
+        if domain.axes_1d:  # a Gaussian grid's axes, as the input holds them: latitude(rows), longitude(columns)
+            row = axis == "latitude"
+            variables[name] = xr.Variable((dims[0 if row else 1],), values[:, 0] if row else values[0, :], attrs)
+        else:
+            variables[name] = xr.Variable(dims, values, attrs)
     fixed = [*domain.coordinates, "domain_mask"]
     if domain.time is not None and domain.time[1] is not None:
         variables[domain.time[0]] = domain.time[1]
