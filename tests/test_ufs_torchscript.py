@@ -1,9 +1,10 @@
 """`python -m toolkit.export torchscript`: the TorchScript archives that the UFS teams' C++ programs load.
-aibalance's layout (predict, jac, jac_physical, its metadata attributes) and SOCA's (MODEL.pt as torch::load reads
-it, normalization.MODEL.pt as IceNet.h's loadNorm reads it) equal the model in Python (its autograd Jacobian) and,
-through export/cpp's consumer (--format torchscript / soca, the build shared with test_ufs_export.py), in C++;
-torch's TorchScript deprecation warnings stay inside the export. One tiny run per module; models with a sigmoid
-output and another depth are made here, untrained."""
+aibalance's layouts (HEAD's: predict, jac, jac_physical, its metadata attributes, float32 out; c710abb's: forward on
+physical inputs) and our MLP in SOCA's two-file form (--format ufsnet: MODEL.pt as torch::load reads it,
+normalization.MODEL.pt as loadNorm reads it) equal the model in Python (its autograd Jacobian) and, through
+export/cpp's consumer (--format torchscript / ufsnet, the build shared with test_ufs_export.py), in C++; torch's
+TorchScript deprecation warnings stay inside the export. SOCA's own IceNet files (--format soca): test_ufs_soca.py.
+One tiny run per module; models with a sigmoid output and another depth are made here, untrained."""
 
 from __future__ import annotations
 
@@ -30,8 +31,15 @@ from test_ufs_export import (
 )
 
 from toolkit.data.ufs import DEFAULT_INPUTS
-from toolkit.export import load_torchscript, read_soca, soca_emulator
-from toolkit.export.soca import SocaMoments, normalization_path, read_tensor_vector, write_soca
+from toolkit.export import load_torchscript
+from toolkit.export.soca import (
+    SocaMoments,
+    normalization_path,
+    read_tensor_vector,
+    read_ufsnet,
+    ufsnet_emulator,
+    write_ufsnet,
+)
 from toolkit.export.torchscript import quiet_torchscript, write_torchscript
 from toolkit.models.ufs_emulator import UfsEmulator
 
@@ -94,17 +102,17 @@ def torchscript_export(trained_run):
 
 
 @pytest.fixture(scope="module")
-def soca_export(trained_run):
-    """SOCA's layout, written by the CLI (in this process, DeprecationWarnings as errors)."""
+def ufsnet_export(trained_run):
+    """Our MLP in SOCA's two-file form, written by the CLI (in this process, DeprecationWarnings as errors)."""
     run_dir, _ = trained_run
-    out = run_dir.parent / "soca" / "arctic.pt"
+    out = run_dir.parent / "ufsnet" / "arctic.pt"
     code, stdout = None, ""
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         try:
             from toolkit.export import main
 
-            main(["torchscript", str(run_dir), "--out", str(out), "--format", "soca"])
+            main(["torchscript", str(run_dir), "--out", str(out), "--format", "ufsnet"])
             code = 0
         except SystemExit as exit_:
             code = exit_.code
@@ -209,15 +217,15 @@ def test_aibalance_c710abb_layout_takes_physical_inputs(trained_run, torchscript
     assert (head(x.float()).double() - model.predict(x)).abs().max() > 1.0  # normalised forward, physical input
 
 
-def test_soca_layout_reads_back_as_the_cpp_reads_it(trained_run, soca_export):
+def test_ufsnet_layout_reads_back_as_the_cpp_reads_it(trained_run, ufsnet_export):
     run_dir, data = trained_run
     step = read_json(run_dir / "summary.json")["best_step"]
     saved = load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))  # the run's own numbers
-    moments = read_tensor_vector(normalization_path(soca_export))  # as torch::load(std::vector<Tensor>&) parses it
+    moments = read_tensor_vector(normalization_path(ufsnet_export))  # as torch::load(std::vector<Tensor>&) reads it
     assert len(moments) == 4 and all(moment.dtype == torch.float64 for moment in moments)
     for moment, name in zip(moments, STATISTICS, strict=True):  # [input mean, input std] (SOCA's), then outputs
         assert torch.equal(moment, saved[name]), name
-    tensors, _, attributes = read_soca(soca_export)  # MODEL.pt as torch::load(module) finds its tensors, by name
+    tensors, _, attributes = read_ufsnet(ufsnet_export)  # MODEL.pt as torch::load(module) finds its tensors
     linears = [key for key in saved if key.startswith("net.") and key.endswith(".weight")]
     assert [key for key in tensors if key.startswith("fc")] == [
         f"fc{k}.{part}" for k in range(1, len(linears) + 1) for part in ("weight", "bias")
@@ -228,14 +236,15 @@ def test_soca_layout_reads_back_as_the_cpp_reads_it(trained_run, soca_export):
     assert all(torch.equal(tensors[name], saved[name]) for name in STATISTICS)
     assert attributes["output_activation"] == "none" and attributes["gelu_approximate"] == "none"
     assert attributes["meta"]["output_short_names"] == "aice"
-    model, rebuilt = best_model(run_dir), soca_emulator(soca_export)
+    model, rebuilt = best_model(run_dir), ufsnet_emulator(ufsnet_export)
     _, x = domain_inputs(data)
     normalised = lambda x: rebuilt.jacobian(x) * rebuilt.input_std / rebuilt.output_std[:, None]  # noqa: E731
-    assert_equals_model(rebuilt.predict, normalised, rebuilt.jacobian, model, x)
+    assert_equals_model(rebuilt.predict, normalised, rebuilt.jacobian, model, x, torch.float64)
 
 
 def synthetic(activation: str, tmp_path: Path) -> tuple[UfsEmulator, Path, Path]:
-    """An untrained emulator (2 x 8, random biases) with the given output activation, in both layouts."""
+    """An untrained emulator (2 x 8, random biases) with the given output activation, in aibalance's layout and in
+    ufsnet's."""
     if activation != "none" and "output_activation" not in inspect.signature(UfsEmulator).parameters:
         pytest.skip("this UfsEmulator has no output_activation")
     generator = torch.Generator().manual_seed(11)
@@ -264,15 +273,15 @@ def synthetic(activation: str, tmp_path: Path) -> tuple[UfsEmulator, Path, Path]
         "units": {},
     }
     tmp_path.mkdir(parents=True, exist_ok=True)
-    script, soca = tmp_path / f"{activation}.pt", tmp_path / activation / "model.pt"
+    script, ufsnet = tmp_path / f"{activation}.pt", tmp_path / activation / "model.pt"
     write_torchscript(model, meta, {"optimizer": "adam"}, script)
-    write_soca(model, meta, {"optimizer": "adam"}, soca)
-    return model, script, soca
+    write_ufsnet(model, meta, {"optimizer": "adam"}, ufsnet)
+    return model, script, ufsnet
 
 
 @pytest.mark.parametrize("activation", ["none", "sigmoid"])
 def test_both_layouts_of_either_output_activation(activation, tmp_path):
-    model, script, soca = synthetic(activation, tmp_path)
+    model, script, ufsnet = synthetic(activation, tmp_path)
     x = (
         model.input_mean
         + torch.randn(64, 14, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * model.input_std
@@ -281,7 +290,7 @@ def test_both_layouts_of_either_output_activation(activation, tmp_path):
     assert_equals_model(module.predict, module.jac, module.jac_physical, model, x)
     assert torch.equal(module.predict(x), model.predict(x).float())
     assert module.meta["output_activation"] == activation and module.meta["hidden_layers"] == "2"
-    rebuilt = soca_emulator(soca)
+    rebuilt = ufsnet_emulator(ufsnet)
     assert torch.equal(rebuilt.predict(x), model.predict(x)) and torch.equal(rebuilt.jacobian(x), model.jacobian(x))
 
 
@@ -300,10 +309,11 @@ def test_torchscript_export_refuses_bad_input_in_one_line(trained_run, tmp_path,
         ([str(run_dir), "--out", str(tmp_path / "taken")], ["--out", "is a directory"]),
         ([str(run_dir), "--out", str(tmp_path / "x.pt2")], ["--out", ".pt", "aoti"]),
         ([str(run_dir), "--out", out, "--step", "99999"], ["step_99999", "--step"]),
-        ([str(run_dir), "--out", out, "--format", "onnx"], ["--format", "'onnx'", "aibalance, aibalance-c710abb or "
-                                                            "soca"]),
+        ([str(run_dir), "--out", out, "--format", "onnx"], ["--format", "'onnx'", "aibalance, aibalance-c710abb, "
+                                                            "soca or ufsnet"]),
+        ([str(run_dir), "--out", out, "--format", "soca"], ["--format soca:", "IceNet", "--format ufsnet"]),
         (
-            [str(run_dir), "--out", str(tmp_path / "norm-taken.pt"), "--format", "soca"],
+            [str(run_dir), "--out", str(tmp_path / "norm-taken.pt"), "--format", "ufsnet"],
             ["normalization.norm-taken.pt", "is a directory"],
         ),
     ]
@@ -317,7 +327,7 @@ def test_torchscript_export_refuses_bad_input_in_one_line(trained_run, tmp_path,
     assert code == 0 and f"wrote {target}" in stdout, stderr
     assert [p.name for p in target.parent.iterdir()] == ["emulator.pt"]
     assert quietly(load_torchscript, target)[1]["checkpoint"].startswith("step_")
-    code, _, stderr = run_export(["torchscript", str(run_dir), "--out", str(target), "--format", "soca"], capfd)
+    code, _, stderr = run_export(["torchscript", str(run_dir), "--out", str(target), "--format", "ufsnet"], capfd)
     assert code == 0, stderr
     assert sorted(p.name for p in target.parent.iterdir()) == ["emulator.pt", "normalization.emulator.pt"]
     assert len(read_tensor_vector(normalization_path(target))) == 4
@@ -340,7 +350,8 @@ def write_csv(path: Path, x: torch.Tensor) -> Path:
     return path
 
 
-def test_cpp_consumer_loads_both_layouts_as_python_computes(trained_run, torchscript_export, soca_export, tmp_path):
+def test_cpp_consumer_loads_both_layouts_as_python_computes(trained_run, torchscript_export, ufsnet_export,
+                                                            tmp_path):
     missing = [tool for tool in ("cmake", "g++") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed (make test installs them; apt-get install cmake g++)")
@@ -350,7 +361,7 @@ def test_cpp_consumer_loads_both_layouts_as_python_computes(trained_run, torchsc
     x = x[:50]
     csv = write_csv(tmp_path / "inputs.csv", x)
     model = best_model(run_dir)
-    for fmt, artefact in (("torchscript", torchscript_export), ("soca", soca_export)):
+    for fmt, artefact in (("torchscript", torchscript_export), ("ufsnet", ufsnet_export)):
         header, rows = cpp_rows(binary, artefact, csv, fmt)
         assert header == ["aice", *[f"daice_d{name}" for name in DEFAULT_INPUTS]], fmt
         assert len(rows) == len(x)
@@ -361,21 +372,21 @@ def test_cpp_consumer_loads_both_layouts_as_python_computes(trained_run, torchsc
     for activation in ("none", "sigmoid"):
         if activation == "sigmoid" and "output_activation" not in inspect.signature(UfsEmulator).parameters:
             continue
-        synthetic_model, script, soca = synthetic(activation, tmp_path)
+        synthetic_model, script, ufsnet = synthetic(activation, tmp_path)
         points = (
             synthetic_model.input_mean
             + torch.randn(20, 14, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
             * synthetic_model.input_std
         )
         points_csv = write_csv(tmp_path / f"points-{activation}.csv", points)
-        for fmt, artefact in (("torchscript", script), ("soca", soca)):
+        for fmt, artefact in (("torchscript", script), ("ufsnet", ufsnet)):
             _, rows = cpp_rows(binary, artefact, points_csv, fmt)
             assert relative(rows[:, :1], synthetic_model.predict(points)) < 1e-6, (activation, fmt)
             assert per_input_error(rows[:, None, 1:], synthetic_model.jacobian(points)) < 1e-6, (activation, fmt)
     # the statistics C++ uses are the normalization file's, in SOCA's order (loadNorm after torch::load): other
     # numbers there (for a model without the sigmoid, whose output statistics matter), other predictions, as Python
     # computes them with those numbers
-    plain, _, soca = synthetic("none", tmp_path / "moved")
+    plain, _, ufsnet = synthetic("none", tmp_path / "moved")
     moved = copy.deepcopy(plain)
     changes = (lambda t: t + 3.0, lambda t: t * 1.5, lambda t: t + 0.1, lambda t: t * 2.0)
     with torch.no_grad():
@@ -383,17 +394,17 @@ def test_cpp_consumer_loads_both_layouts_as_python_computes(trained_run, torchsc
             getattr(moved, name).copy_(change(getattr(moved, name)))
     with quiet_torchscript():
         moments = torch.jit.script(SocaMoments([getattr(moved, name) for name in STATISTICS]))
-        moments.save(str(normalization_path(soca)))
+        moments.save(str(normalization_path(ufsnet)))
     points = plain.input_mean + torch.randn(20, 14, dtype=torch.float64) * plain.input_std
-    _, rows = cpp_rows(binary, soca, write_csv(tmp_path / "points-moved.csv", points), "soca")
+    _, rows = cpp_rows(binary, ufsnet, write_csv(tmp_path / "points-moved.csv", points), "ufsnet")
     assert relative(moved.predict(points), plain.predict(points)) > 1e-3
     assert relative(rows[:, :1], moved.predict(points)) < 1e-6
     assert per_input_error(rows[:, None, 1:], moved.jacobian(points)) < 1e-6
     # a wrong --format, or one file given as the other layout: one line, exit 2
     for argv, fragment in (
-        ([str(torchscript_export), str(csv), "--format", "onnx"], "is not aoti, torchscript or soca"),
+        ([str(torchscript_export), str(csv), "--format", "onnx"], "is not aoti, torchscript, soca or ufsnet"),
         ([str(torchscript_export), str(csv), "--format", "soca"], "is not SOCA's layout"),
-        ([str(soca_export), str(csv), "--format", "torchscript"], "is not aibalance's layout"),
+        ([str(ufsnet_export), str(csv), "--format", "torchscript"], "is not aibalance's layout"),
         ([str(csv), str(csv), "--format", "torchscript"], "is not a TorchScript archive"),
     ):
         refused = subprocess.run([str(binary), *argv], capture_output=True, text=True)

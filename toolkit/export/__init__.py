@@ -1,7 +1,7 @@
 """Export a trained run for use outside Python, and run it on a netCDF file.
 
     python -m toolkit.export aoti RUN_DIR --out emulator.pt2 [--step N]
-    python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|aibalance-c710abb|soca]
+    python -m toolkit.export torchscript RUN_DIR --out emulator.pt [--format aibalance|aibalance-c710abb|soca|ufsnet]
     python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc [--step N] [--data-atmos ATMOS.nc]
     python -m toolkit.export predict RUN_DIR --data IN.nc --out OUT.nc --lat-variable nav_lat --lon-variable nav_lon
     python -m toolkit.export predict --model emulator.pt2 --data IN.nc --out OUT.nc
@@ -28,7 +28,9 @@ d x_norm) and jac_physical, every output float32 as its float32 module returns t
 nlevs - 1, 127 by default, the ocean's at 0; meta with optimizer and loss as it writes them) plus meta.json as an
 extra file (toolkit.export.torchscript). `--format aibalance-c710abb` is the layout of its commit c710abb, whose
 forward takes physical inputs (and returns physical outputs, float32; jac is d forward / d x). `--format soca` is
-SOCA MLBalance's layout (toolkit.export.soca). An existing --out file is replaced whole, as by `aoti`.
+SOCA MLBalance's layout, IceNet's two files (toolkit.export.soca), for a run trained as IceNet (--preset soca);
+`--format ufsnet` our MLP in those two files, for export/cpp/ufs_net.h. An existing --out file is replaced whole, as
+by `aoti`.
 
 `predict` runs the model (a run's, or --model an exported package) on every cell of IN.nc's sea-ice domain (with
 --data-atmos, of the ocean/ice + atmosphere pair on one grid), the files read as the training reads them
@@ -68,32 +70,36 @@ from toolkit.errors import UsageError
 from toolkit.export.aoti import export_aoti
 from toolkit.export.load import EXPORTABLE, Exportable, best_checkpoint, load_package, load_run
 from toolkit.export.netcdf import predict_netcdf
-from toolkit.export.soca import export_soca, read_soca, soca_emulator
+from toolkit.export.soca import export_soca, export_ufsnet, read_soca, soca_emulator
 from toolkit.export.torchscript import export_torchscript, load_torchscript
 from toolkit.process.entry import one_line_errors
 
 __all__ = ["EXPORTABLE", "Exportable", "best_checkpoint", "export_aoti", "export_soca", "export_torchscript",
            "load_package", "load_run", "load_torchscript", "main", "predict_netcdf", "read_soca", "soca_emulator"]
 
-TORCHSCRIPT_LAYOUTS = ("aibalance", "aibalance-c710abb", "soca")
+TORCHSCRIPT_LAYOUTS = ("aibalance", "aibalance-c710abb", "soca", "ufsnet")
 
 
 def _torchscript(args) -> None:
     if args.layout not in TORCHSCRIPT_LAYOUTS:
         raise UsageError(f"--format {args.layout!r}: give {', '.join(TORCHSCRIPT_LAYOUTS[:-1])} or "
-                         f"{TORCHSCRIPT_LAYOUTS[-1]} (aibalance's ufs_emulator.cpp at HEAD or at c710abb, or SOCA's "
-                         "MLBalance)")
+                         f"{TORCHSCRIPT_LAYOUTS[-1]} (aibalance's ufs_emulator.cpp at HEAD or at c710abb, SOCA's "
+                         "MLBalance, or our MLP for export/cpp/ufs_net.h)")
     if args.layout == "soca":
         meta = export_soca(args.run_dir, args.out, args.step)
         norm = Path(args.out).parent / meta["normalization"]
         written = f"{args.out} and {norm} (SOCA's layout: torch::load, loadNorm)"
+    elif args.layout == "ufsnet":
+        meta = export_ufsnet(args.run_dir, args.out, args.step)
+        norm = Path(args.out).parent / meta["normalization"]
+        written = f"{args.out} and {norm} (our MLP in SOCA's two-file form, for export/cpp/ufs_net.h)"
     elif args.layout == "aibalance-c710abb":
         meta = export_torchscript(args.run_dir, args.out, args.step, layout=args.layout)
         written = f"{args.out} (TorchScript, aibalance c710abb's layout: forward and jac physical)"
     else:
         meta = export_torchscript(args.run_dir, args.out, args.step)
         written = f"{args.out} (TorchScript, aibalance's layout: predict, jac, jac_physical)"
-    dtype = "" if args.layout == "soca" else ", float32 out"
+    dtype = "" if args.layout in ("soca", "ufsnet") else ", float32 out"
     print(
         f"wrote {written}: {meta['recipe']} from {meta['checkpoint']}, inputs {' '.join(meta['inputs'])} -> outputs "
         f"{' '.join(meta['outputs'])}, physical units{dtype}"
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     script.add_argument(
         "--format", dest="layout", default="aibalance", metavar="LAYOUT",
         help="aibalance (default: aibalance HEAD's predict, jac, jac_physical and metadata), aibalance-c710abb (its "
-        "c710abb's: forward takes physical inputs) or soca (MODEL.pt + normalization.MODEL.pt)",
+        "c710abb's: forward takes physical inputs), soca (SOCA's IceNet: MODEL.pt + normalization.MODEL.pt) or ufsnet "
+        "(our MLP in those two files, for export/cpp/ufs_net.h)",
     )
     args = parser.parse_args(argv)
     check_writable(args.out, "--out")  # before any work: a read-only place failed only at the end, in a traceback
