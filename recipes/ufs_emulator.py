@@ -91,12 +91,13 @@ from toolkit.data.ufs import (
     DEFAULT_OUTPUTS,
     PatternRows,
     UfsPatterns,
+    check_zeroed,
     describe_layout,
     describe_variables,
     load_patterns,
     whole_batch,
 )
-from toolkit.data.ufs_domains import check_domain
+from toolkit.data.ufs_domains import check_domain, zeroed_inputs
 from toolkit.models.ufs_emulator import ICENET_INPUTS, UfsEmulator
 from toolkit.process import extras
 
@@ -121,13 +122,16 @@ class UfsConfig(TrainConfig):
     variables: tuple[str, ...] = ()
     """Names in the file(s) for some of --inputs/--outputs, as NAME=VARIABLE (e.g. sst=SST tair=T2m); the others are
     looked up as ours, CICE's (sst_h, Tair_h, Qref_h, aice_h, ...), then CF standard names."""
-    domain: Literal["toolkit", "soca", "aibalance-c710abb", "aibalance-b1eccbc"] = "toolkit"
+    domain: Literal["toolkit", "soca", "soca-unclean", "aibalance-c710abb", "aibalance-b1eccbc"] = "toolkit"
     """Which cells are patterns, selected as whose code selects them: toolkit (ours: --mask, --mask-variable, the
     flags --min-abs-lat, --hemisphere, --no-open-water; a keyed random subset when capped); soca (JCSDA SOCA
     IceEmul.h, one model per pole: umask == 1, ULAT > 40 in --hemisphere north or south, 0 < aice <= 1, each rank's
-    first --max-patterns-per-rank of its stride); aibalance-c710abb (umask == 1, aice >= 0, the first N cells of
+    first --max-patterns-per-rank of its stride); soca-unclean (SOCA's selectData with clean data: false: ULAT > 60
+    north or < -60 south, no mask, no ice condition, land cells too; one model per pole, SOCA's per-rank cap);
+    aibalance-c710abb (umask == 1, aice >= 0, the first N cells of
     the flag --max-patterns in grid order: the gdas preset's); aibalance-b1eccbc (aibalance HEAD on its CF files:
-    the thickness-tair mask, aice > 0, the first N cells of the flag --max-patterns in grid order). A team's domain
+    the thickness-tair mask, aice > 0, the first N cells of the flag --max-patterns in grid order; sice, uocn, vocn,
+    flwdn and fswdn are 0 in every pattern, as its reader gives them). A team's domain
     refuses the flags whose choice it fixes."""
     mask: Literal["variable", "thickness-tair"] = "variable"
     """The ocean, for --domain toolkit: variable (--mask-variable's cells > 0.5) or thickness-tair (aibalance's CF
@@ -252,6 +256,8 @@ def check(cfg: UfsConfig) -> None:
     check_domain(cfg.domain, mask=cfg.mask, mask_variable=cfg.mask_variable, lat_variable=cfg.lat_variable,
                  min_abs_lat=cfg.min_abs_lat, hemisphere=cfg.hemisphere, open_water=cfg.open_water,
                  max_patterns=cfg.max_patterns, max_patterns_per_rank=cfg.max_patterns_per_rank)
+    check_zeroed(cfg.domain, zeroed_inputs(cfg.domain, cfg.inputs), zeroed_inputs(cfg.domain, cfg.outputs),
+                 variable_names(cfg))
     require_range(cfg, "(0, 1)", "val_fraction")
     if not (cfg.range_factor == 0 or (cfg.range_factor >= 1 and math.isfinite(cfg.range_factor))):
         raise UsageError(f"--range-factor {cfg.range_factor} is invalid; give a factor >= 1, or 0 for no check")
