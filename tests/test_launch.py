@@ -19,6 +19,8 @@ if how == "exit2":
     if rank == 0:
         print("error: --something is wrong", file=sys.stderr, flush=True)
     sys.exit(2)
+if rank == 0:
+    signal.pause()  # still running when rank 1 fails: the agent stops it with SIGTERM, which is not a cause to name
 if rank == 1:
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
