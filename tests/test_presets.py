@@ -19,7 +19,7 @@ RECIPES = ["sasrec", "dcrnn", "ufs_emulator", "hrm"]
 EXPECTED = {
     "sasrec": (["ml-100k", "ml-1m"], ["--maxlen", "20"], "maxlen", 20),
     "dcrnn": (["cpu", "metr-la"], ["--units", "8"], "units", 8),
-    "ufs_emulator": (["cpu", "gdas"], ["--epochs", "7"], "epochs", 7),
+    "ufs_emulator": (["cpu", "gdas", "soca"], ["--epochs", "7"], "epochs", 7),
     "hrm": (["cpu-small", "sudoku-1k"], ["--hidden", "32"], "hidden", 32),
 }
 
@@ -41,8 +41,11 @@ def flat(text: str) -> str:
 
 def shown_default(help_text: str, flag: str) -> str:
     """The `(default: ...)` tyro shows for flag: in its entry of the options box (a line starting with the flag)."""
-    lines = [line.strip("│ ") for line in help_text.splitlines()]
-    start = next(i for i, line in enumerate(lines) if line.startswith((f"{flag} ", f"{flag},")) or line == flag)
+    raw = help_text.splitlines()
+    lines = [line.strip("│ ") for line in raw]
+    # an entry starts at the box's edge ("│ --flag"); a help text that wraps onto "--flag ..." is indented further
+    start = next(i for i, line in enumerate(lines) if raw[i].startswith("│ --") and (
+        line.startswith((f"{flag} ", f"{flag},")) or line == flag))
     match = re.search(r"\(default: (.*?)\)", flat("\n".join(lines[start:])))
     assert match, f"no default shown for {flag}"
     return match.group(1)
@@ -75,19 +78,19 @@ def test_help_lists_the_presets_and_shows_the_default_presets_values(recipe, rec
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_preset_help_shows_that_presets_values(recipe, recipes, tmp_path):
     presets = recipes[recipe]["PRESETS"]
-    default, other = (config for _, config in presets.values())
-    name = EXPECTED[recipe][0][1]
-    result = run_preloaded(["--preset", name, "--help"], recipe=recipe, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert f"The defaults below are those of preset `{name}`." in flat(result.stdout)
-    changed = [f for f in dataclasses.fields(other) if f.name != "preset"
-               and getattr(other, f.name) != getattr(default, f.name)]
-    assert changed
-    for field in changed:
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(getattr(other, field.name), bool):  # --stop-early / --no-stop-early
-            flag = f"{flag}, --no-{field.name.replace('_', '-')}"
-        assert shown_default(result.stdout, flag) == as_shown(getattr(other, field.name)), field.name
+    (_, default), *others = presets.values()
+    for name, (_, other) in zip(EXPECTED[recipe][0][1:], others, strict=True):  # every preset but the default
+        result = run_preloaded(["--preset", name, "--help"], recipe=recipe, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert f"The defaults below are those of preset `{name}`." in flat(result.stdout)
+        changed = [f for f in dataclasses.fields(other) if f.name != "preset"
+                   and getattr(other, f.name) != getattr(default, f.name)]
+        assert changed
+        for field in changed:
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(getattr(other, field.name), bool):  # --stop-early / --no-stop-early
+                flag = f"{flag}, --no-{field.name.replace('_', '-')}"
+            assert shown_default(result.stdout, flag) == as_shown(getattr(other, field.name)), (name, field.name)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
