@@ -23,34 +23,15 @@
 #include <string>
 #include <vector>
 
+#include "csv_inputs.h"
 #include "icenet.h"
 
 static const char* const kInputs[] = {"tair", "tsfc", "sst", "sss", "hs", "hi", "sice"};  // IceEmul.h prepData
-
-static int fail(const std::string& message) {
-  std::cerr << "error: " << message << std::endl;
-  return 2;
-}
-
-static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 static std::string number(float value) {
   char text[32];
   std::snprintf(text, sizeof text, "%.9g", static_cast<double>(value));
   return text;
-}
-
-static bool parse_row(const std::string& line, std::vector<double>& row) {
-  row.clear();
-  std::stringstream cells(line);
-  std::string cell;
-  while (std::getline(cells, cell, ',')) {
-    char* end = nullptr;
-    double value = std::strtod(cell.c_str(), &end);
-    if (end == cell.c_str()) return false;
-    row.push_back(value);
-  }
-  return !row.empty();
 }
 
 static bool size_flag(const std::string& value, int& size) {
@@ -94,25 +75,9 @@ int main(int argc, char** argv) {
                 first_line(error.what()));
   }
 
-  std::ifstream csv(csv_path);
-  if (!csv) return fail(csv_path + " cannot be read");
   std::vector<std::vector<double>> points;
-  std::vector<double> row;
-  std::string line;
-  size_t line_number = 0;
-  while (std::getline(csv, line)) {
-    ++line_number;
-    if (line.empty()) continue;
-    if (!parse_row(line, row)) {
-      if (line_number == 1) continue;  // a header
-      return fail(csv_path + " line " + std::to_string(line_number) + " is not numeric");
-    }
-    if (static_cast<int>(row.size()) != inputSize)
-      return fail(csv_path + " line " + std::to_string(line_number) + " has " + std::to_string(row.size()) +
-                  " values; IceNet takes " + std::to_string(inputSize));
-    points.push_back(row);
-  }
-  if (points.empty()) return fail(csv_path + " holds no input rows");
+  if (auto error = read_rows(csv_path, static_cast<size_t>(inputSize), "IceNet", points); !error.empty())
+    return fail(error);
 
   std::string header = "aice";
   for (int i = 0; i < inputSize; ++i)

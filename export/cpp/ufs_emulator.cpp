@@ -37,33 +37,8 @@
 #include <vector>
 
 #include "icenet.h"
+#include "csv_inputs.h"
 #include "ufs_net.h"
-
-static int fail(const std::string& message) {
-  std::cerr << "error: " << message << std::endl;
-  return 2;
-}
-
-static std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
-static std::vector<std::string> split(const std::string& text, char separator) {
-  std::vector<std::string> parts;
-  std::stringstream cells(text);
-  std::string cell;
-  while (std::getline(cells, cell, separator)) parts.push_back(cell);
-  return parts;
-}
-
-static bool parse_row(const std::string& line, std::vector<double>& row) {
-  row.clear();
-  for (const auto& cell : split(line, ',')) {
-    char* end = nullptr;
-    double value = std::strtod(cell.c_str(), &end);
-    if (end == cell.c_str()) return false;
-    row.push_back(value);
-  }
-  return !row.empty();
-}
 
 static std::string number(double value) {
   char text[32];
@@ -268,25 +243,11 @@ int main(int argc, char** argv) {
   const auto& input_names = emulator.inputs;
   const auto& output_names = emulator.outputs;
 
-  std::ifstream csv(csv_path);
-  if (!csv) return fail(csv_path + " cannot be read");
-  std::vector<double> values, row;
-  std::string line;
-  size_t rows = 0, line_number = 0;
-  while (std::getline(csv, line)) {
-    ++line_number;
-    if (line.empty()) continue;
-    if (!parse_row(line, row)) {
-      if (line_number == 1) continue;  // a header
-      return fail(csv_path + " line " + std::to_string(line_number) + " is not numeric");
-    }
-    if (row.size() != input_names.size())
-      return fail(csv_path + " line " + std::to_string(line_number) + " has " + std::to_string(row.size()) +
-                  " values; the model takes " + std::to_string(input_names.size()));
-    values.insert(values.end(), row.begin(), row.end());
-    ++rows;
-  }
-  if (rows == 0) return fail(csv_path + " holds no input rows");
+  std::vector<std::vector<double>> points;
+  if (auto error = read_rows(csv_path, input_names.size(), "the model", points); !error.empty()) return fail(error);
+  std::vector<double> values;
+  for (const auto& point : points) values.insert(values.end(), point.begin(), point.end());
+  const size_t rows = points.size();
   auto inputs = torch::from_blob(values.data(), {static_cast<long>(rows), static_cast<long>(input_names.size())},
                                  torch::kFloat64).clone();
   torch::NoGradGuard no_grad;  // the TorchScript and SOCA Jacobians switch grad mode on for themselves
