@@ -62,13 +62,11 @@ def main(argv: list[str]) -> int:
         ) from None
     except ChildFailedError as error:
         failures = sorted(error.failures.items())
-        usage = [f for _, f in failures if f.exitcode == 2]
-        terminated = [f for _, f in failures if f.exitcode == -signal.SIGTERM]  # stopped by the agent after it
-        if usage and len(usage) + len(terminated) == len(failures):
-            return 2  # a usage error: the recipe's rank 0 said what was wrong, in one line
-        host = socket.gethostname()  # torch's ProcessFailure has no host: the failed workers ran on this machine
         # The workers the agent stopped (SIGTERM) after another failed are its doing, not theirs: the others are named
         causes = [(rank, f) for rank, f in failures if f.exitcode != -signal.SIGTERM] or failures
+        if all(f.exitcode == 2 for _, f in causes):
+            return 2  # a usage error: the recipe's rank 0 said what was wrong, in one line
+        host = socket.gethostname()  # torch's ProcessFailure has no host: the failed workers ran on this machine
         for rank, failure in causes:
             how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
             print(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) on {host} ended with "
