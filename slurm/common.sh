@@ -13,13 +13,27 @@ toolkit_job_setup() {
     exit 2
   fi
   RECIPE_ARGS=$(printf '%q ' "$@")
+  if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  fi
   if [ -n "${TOOLKIT_SWEEP:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
     # A task of `python -m toolkit sweep --launcher slurm`: its run's flags and directory, written by the sweep.
     RECIPE_ARGS="$(cat "$TOOLKIT_SWEEP/tasks/$SLURM_ARRAY_TASK_ID.args") $RECIPE_ARGS"
     RUN_DIR=$(cat "$TOOLKIT_SWEEP/tasks/$SLURM_ARRAY_TASK_ID.dir")
   fi
-  if [ -z "${PYTHON:-}" ]; then
-    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  if [ -n "${TOOLKIT_SEARCH:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+    # A task of `python -m toolkit sweep --search ... --launcher slurm`: it takes a trial from the study (after a
+    # requeue, its own again) and runs it with the trial's flags, directory and TOOLKIT_TRIAL.
+    local trial
+    trial=$("$PYTHON" -m toolkit sweep --trial-worker "$TOOLKIT_SEARCH")
+    if [ -z "$trial" ]; then
+      echo "no trial left in the study $TOOLKIT_SEARCH"
+      exit 0
+    fi
+    RECIPE_ARGS="$(cat "$TOOLKIT_SEARCH/tasks/$trial.args") $RECIPE_ARGS"
+    RUN_DIR=$(cat "$TOOLKIT_SEARCH/tasks/$trial.dir")
+    TOOLKIT_TRIAL=$(cat "$TOOLKIT_SEARCH/tasks/$trial.trial")
+    export TOOLKIT_TRIAL
   fi
   # The head node is the first of the allocation; every node's launcher connects to it.
   HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)

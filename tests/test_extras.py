@@ -27,13 +27,14 @@ def test_the_extras_hold_the_family_readers_and_the_core_does_not():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
-    for package in ("xarray", "netCDF4", "tables", "matplotlib"):
+    for package in ("xarray", "netCDF4", "tables", "matplotlib", "optuna"):
         assert package not in core
     extras = project["optional-dependencies"]
     assert [d.split(">")[0] for d in extras["ufs"]] == ["xarray", "netCDF4"]
     assert [d.split(">")[0] for d in extras["traffic"]] == ["tables"]
     assert [d.split(">")[0] for d in extras["plots"]] == ["matplotlib"]
-    assert extras["all"] == ["accelerate-recipes[ufs,traffic,plots]"]
+    assert [d.split(">")[0] for d in extras["search"]] == ["optuna"]
+    assert extras["all"] == ["accelerate-recipes[ufs,traffic,plots,search]"]
     assert "'.[all,dev]'" in (ROOT / "Makefile").read_text()
 
 

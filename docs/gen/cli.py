@@ -456,16 +456,22 @@ def _check_tool(module_name: str, args: list[str], aliases: dict[str, str] | Non
     problem = _parses(lambda: parser.parse_args(args))
     if problem or args[:1] != ["sweep"] or module_name != "toolkit":
         return problem
-    # a sweep: the flags for every run, and each value of the grid, through the recipe's parser
+    # a sweep: the flags for every run, and each value of the grid or bound of the search, through the recipe's
+    # parser
     from toolkit.tools.sweep import parse_grid
 
     parsed = parser.parse_args(args)
     recipe = ROOT / (aliases or {}).get(str(parsed.recipe), parsed.recipe)
     if not recipe.is_file():
         return f"{parsed.recipe} does not exist"
-    grid = parse_grid(parsed.grid)
-    runs = [list(common)] + [[*common, f"--{key.replace('_', '-')}", value]
-                             for key, values in grid.items() for value in values]
+    if parsed.search is not None:  # a search: each bound of a range and each value of a one-of spec
+        from toolkit.tools.search import bound_flags, parse_specs
+
+        runs = [list(common)] + [[*common, *flags] for flags in bound_flags(parse_specs(parsed.search))]
+    else:
+        grid = parse_grid(parsed.grid)
+        runs = [list(common)] + [[*common, f"--{key.replace('_', '-')}", value]
+                                 for key, values in grid.items() for value in values]
     for argv in runs:
         problem = _check_recipe(recipe, argv)
         if problem:

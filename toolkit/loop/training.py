@@ -32,6 +32,7 @@ from toolkit.loop.meter import StepMeter
 from toolkit.loop.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
 from toolkit.loop.restart import RestartUnderLoad
 from toolkit.loop.summary import RunEnd
+from toolkit.loop.trial import TrialReporter
 from toolkit.process import preemption
 from toolkit.run import compilation, randomness
 from toolkit.run.distributed import mean_over_processes
@@ -70,6 +71,8 @@ class TrainingLoop(RunEnd):
         self.meter = StepMeter(self.accelerator.device, show_bar=run.is_main, say=run.print if run.is_main else None)
         self.evaluations = Evaluations(run, model, evaluate, main_metric, higher_is_better, self.meter)
         self.evaluations.row_columns = row_columns
+        # A trial of `toolkit sweep --search` (TOOLKIT_TRIAL): each evaluation reports to the study, which may prune
+        self.trial = TrialReporter.from_environment(run.is_main, main_metric, higher_is_better)
         self._run_started = self._wall_mark = time.perf_counter()  # this life; wall time not yet in progress
         self._compile_report = compilation.first_step_reporter(run)  # --compile: its cost, once a life
         self._mark_step = compilation.step_marker(run)  # --cuda-graphs: each micro-batch a new iteration of the graphs
@@ -320,7 +323,10 @@ class TrainingLoop(RunEnd):
     def _validate(self, scheduled: bool = True) -> dict:
         """Evaluate and write the metrics row, once the row's training losses are read."""
         self._catch_up()
-        return self.evaluations.validate(self.progress, scheduled=scheduled)
+        metrics = self.evaluations.validate(self.progress, scheduled=scheduled)
+        if self.trial is not None and (pruned := self.trial.report(metrics, self.progress.global_step)):
+            self.request_stop(pruned)  # agreed by every rank at this step, as any stop request
+        return metrics
 
     def _catch_up(self) -> None:
         """Read the losses not read yet (before an evaluation or a checkpoint): a bad one stops the run here, on every

@@ -4,6 +4,7 @@
     pip install 'accelerate-recipes[ufs]'     # + xarray, netCDF4: the UFS emulator's netCDF files
     pip install 'accelerate-recipes[traffic]' # + tables: DCRNN's pandas HDF5 speed tables
     pip install 'accelerate-recipes[plots]'   # + matplotlib: curves.png, compare's picture, the UFS scatter plots
+    pip install 'accelerate-recipes[search]'  # + optuna: `python -m toolkit sweep --search`
     pip install 'accelerate-recipes[all]'     # everything (what `make` installs)
 """
 
@@ -19,6 +20,7 @@ EXTRAS = {  # extra: (the modules it brings, what needs them)
     "ufs": (("xarray", "netCDF4"), "reading and writing netCDF files (the UFS emulator)"),
     "traffic": (("tables",), "reading pandas HDF5 speed tables (DCRNN)"),
     "plots": (("matplotlib",), "drawing plots"),
+    "search": (("optuna",), "searching flag values (toolkit sweep --search)"),
 }
 
 

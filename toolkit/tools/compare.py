@@ -27,6 +27,7 @@ from toolkit.errors import UsageError
 from toolkit.process import extras
 from toolkit.run.config import RESUMABLE_CHANGES
 from toolkit.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
+from toolkit.tools import search
 
 PICTURE = "compare.png"
 # Flags that never change what a step computes (those a resume may change), plus the seed: runs that differ only in
@@ -257,4 +258,6 @@ def main(args: argparse.Namespace) -> int:
         if path is not None:
             path.write_text(render(table))
             print(f"wrote {path}")
+    if len(args.dirs) == 1 and search.is_study(args.dirs[0]):  # a search: its best trials, importances, picture
+        search.report(args.dirs[0])
     return 0

@@ -16,6 +16,7 @@ DIR/tasks/), so each task keeps the script's pre-emption and requeue. `python -m
 the table and draws the curves.
 
 Before anything is made, every value of the grid is checked by the recipe's own flag parser (one `error:` line).
+With --search instead of --grid, the values are drawn by an Optuna study (toolkit.tools.search).
 """
 
 from __future__ import annotations
@@ -110,23 +111,30 @@ def check_flags(recipe: Path, manifest: dict) -> None:
         if not unseen & set(run["values"].items()):
             continue
         unseen -= set(run["values"].items())
-        done = subprocess.run([sys.executable, str(recipe), *run["flags"], *manifest["common"]],
-                              env={**os.environ, CHECK_ARGS: "1"}, capture_output=True, text=True)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-            why = errors[0].removeprefix("error: ") if errors else (done.stderr.strip().splitlines() or ["?"])[-1]
+        why = refusal(recipe, [*run["flags"], *manifest["common"]])
+        if why is not None:
             raise UsageError(f"run {run['name']} of the grid is refused by {recipe.name}: {why}")
 
 
-def _common_flags(common: list[str]) -> list[str]:
+def refusal(recipe: Path, flags: list[str]) -> str | None:
+    """The recipe's own error for these flags (its parser and check(), TOOLKIT_CHECK_ARGS), or None if it takes them."""
+    done = subprocess.run([sys.executable, str(recipe), *flags], env={**os.environ, CHECK_ARGS: "1"},
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    return errors[0].removeprefix("error: ") if errors else (done.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def common_flags(common: list[str]) -> list[str]:
     for flag in common:
         if flag.startswith("--") and flag[2:].split("=")[0] in SET_BY_THE_SWEEP:
             raise UsageError(f"{flag} after -- is set by the sweep for each run; leave it out")
     return common
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, dict]:
-    """Check everything and write (or re-read) the manifest; nothing is made before every check has passed."""
+def check_options(args: argparse.Namespace) -> None:
+    """The recipe, --out and the launcher's options (a grid's and a search's), each one line when wrong."""
     recipe, out = args.recipe, args.out
     if not recipe.is_file() or recipe.suffix != ".py":
         raise UsageError(f"RECIPE {recipe} is not a recipe script; give one of recipes/*.py")
@@ -147,7 +155,13 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict]:
         raise UsageError(f"--max-parallel {args.max_parallel} is invalid; give 0 (no limit) or a positive number")
     if args.launcher == "slurm" and not args.sbatch.is_file():
         raise UsageError(f"--sbatch {args.sbatch} does not exist; give an sbatch script (slurm/*.sbatch)")
-    manifest = plan(recipe, parse_grid(args.grid), _common_flags(list(args.common)), out.resolve(), args.launcher)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, dict]:
+    """Check everything and write (or re-read) the manifest; nothing is made before every check has passed."""
+    recipe, out = args.recipe, args.out
+    check_options(args)
+    manifest = plan(recipe, parse_grid(args.grid), common_flags(list(args.common)), out.resolve(), args.launcher)
     previous = out / MANIFEST
     if previous.exists():
         try:

@@ -1,0 +1,236 @@
+"""`python -m toolkit sweep --search`: Optuna studies of the template recipe run as real processes. A 6-trial search
+finds a learning rate at which the template learns; a study killed mid-trial and run again equals the uninterrupted
+one; two trials at once share one journal; a pruned trial ends clean at its step and stays ended; bad input is one
+line before anything is made; `compare` shows the best trials, importances and a picture; a SLURM job array's tasks
+take their trials from the study."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, recipe_env
+
+from toolkit.run import checkpoint
+from toolkit.tools.verify import verify_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("search")]  # the studies made once, on one worker
+
+optuna = pytest.importorskip("optuna")
+
+TEMPLATE = str(ROOT / "recipes" / "template.py")
+# 200 steps (~2 s of training) with 4 evaluations and checkpoints: long enough for a kill to land mid-trial.
+COMMON = ["--max-steps", "200", "--eval-every-steps", "50", "--checkpoint-every", "50", "--log-with", "none"]
+SEARCH = ["--search", "lr=log:1e-5:1e-1", "--metric", "val_mse", "--direction", "min"]
+
+
+def toolkit(*args, check=True, env=None, **popen):
+    command = [sys.executable, "-m", "toolkit", *map(str, args)]
+    if popen:
+        return subprocess.Popen(command, cwd=ROOT, env=recipe_env(env), **popen)
+    result = subprocess.run(command, cwd=ROOT, env=recipe_env(env), capture_output=True, text=True, timeout=900)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def search(out, trials, *extra):
+    return ["sweep", TEMPLATE, *SEARCH, "--trials", str(trials), "--out", out, *extra, "--", *COMMON]
+
+
+def trials_of(out):
+    """{number: (state, params, value)} from the study's journal."""
+    from toolkit.loop.trial import open_storage
+
+    study = optuna.load_study(study_name="search", storage=open_storage(out / "study.journal"))
+    return {t.number: (t.state.name, t.params, t.value) for t in study.get_trials()}
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory):
+    """The 6-trial TPE study, run straight (one trial at a time)."""
+    out = tmp_path_factory.mktemp("search") / "study"
+    return out, toolkit(*search(out, 6))
+
+
+def test_a_six_trial_search_finds_a_learning_rate_at_which_the_template_learns(studied, tmp_path):
+    out, done = studied
+    trials = trials_of(out)
+    assert sorted(trials) == list(range(6)) and all(state == "COMPLETE" for state, _, _ in trials.values())
+    best = min(value for _, _, value in trials.values())
+    untrained = tmp_path / "untrained"  # the same run at a rate too small to move the weights
+    subprocess.run([sys.executable, TEMPLATE, *COMMON, "--lr", "1e-12", "--output-dir", str(untrained)], cwd=ROOT,
+                   env=recipe_env(), check=True, capture_output=True, timeout=300)
+    before = json.loads((untrained / "summary.json").read_text())["best_metrics"]["val_mse"]
+    assert best < before - 0.01, (best, before)
+    assert f"best: trial {min(trials, key=lambda n: trials[n][2])}, val_mse {best:.6g}" in done.stdout
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["search"] == {"lr": "log:1e-5:1e-1"} and manifest["common"] == COMMON
+    for run in manifest["runs"]:  # each trial an ordinary run directory whose config holds its value
+        config = json.loads((out / "runs" / run["name"] / "config.json").read_text())["config"]
+        assert run["name"] == f"trial-{run['trial']:04d}" and config["lr"] == trials[run["trial"]][1]["lr"]
+        assert run["flags"] == ["--lr", repr(config["lr"])] and verify_run(out / "runs" / run["name"]) == []
+
+
+def test_compare_on_a_study_shows_the_best_trials_the_importances_and_a_picture(studied):
+    out, _ = studied
+    shown = toolkit("compare", out).stdout
+    assert "study study: 6 of 6 trials (6 complete); min val_mse" in shown
+    assert "best trials (val_mse, min):" in shown and "  trial-00" in shown
+    assert "importance: lr 1.00" in shown
+    assert (out / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "compare.png").is_file()
+
+
+def test_a_study_killed_mid_trial_and_run_again_equals_the_uninterrupted_one(studied, tmp_path):
+    """Sequential trials with the same --search-seed: the killed trial resumes from its checkpoint with its own
+    value, and every trial draws and reaches what the uninterrupted study's trial of that number did."""
+    reference, _ = studied
+    out = tmp_path / "killed"
+    first = toolkit(*search(out, 3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    second = out / "runs" / "trial-0001"
+    try:
+        while checkpoint.newest_complete(second) is None:
+            assert first.poll() is None, first.stdout.read().decode()
+            time.sleep(0.05)  # polling a condition (a checkpoint exists), not a timed wait
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the sweep and the trial's process
+        first.wait()
+    assert not (second / "summary.json").exists(), "the trial ended before the kill: make it longer"
+    assert trials_of(out)[1][0] == "RUNNING"
+    again = toolkit(*search(out, 3))
+    assert "[trial 1] --lr " in again.stdout and ": resumed (log " in again.stdout
+    assert "resuming from" in (out / "logs" / "trial-0001.log").read_text()
+    assert trials_of(out) == {n: t for n, t in trials_of(reference).items() if n < 3}
+    for number in range(3):
+        assert verify_run(out / "runs" / f"trial-{number:04d}") == []
+
+
+def test_two_trials_at_once_share_one_journal_and_number_each_trial_once(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    out = tmp_path / "pair"
+    done = toolkit(*search(out, 4, "--runs-per-device", "2"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[trial")]
+    running = [i for i, line in enumerate(lines) if ": running" in line]
+    ended = [i for i, line in enumerate(lines) if " complete, value " in line]
+    assert len(running) == 4 and len(ended) == 4 and running[1] < ended[0], lines  # two began before one ended
+    trials = trials_of(out)
+    assert sorted(trials) == [0, 1, 2, 3] and all(state == "COMPLETE" for state, _, _ in trials.values())
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert sorted(run["trial"] for run in manifest["runs"]) == [0, 1, 2, 3]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [f"trial-000{n}" for n in range(4)]
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory):
+    """Median pruning after one finished trial: lr 0.01 first (--search-seed 0's grid order), then lr 1e-5, which is
+    behind it at the first evaluation."""
+    out = tmp_path_factory.mktemp("pruned") / "study"
+    args = ["sweep", TEMPLATE, "--search", "lr=0.01,0.00001", "--sampler", "grid", "--trials", "2", "--metric",
+            "val_mse", "--direction", "min", "--prune", "median", "--prune-after-trials", "1", "--out", out, "--",
+            *COMMON]
+    return out, args, toolkit(*args)
+
+
+def test_a_pruned_trial_ends_clean_at_its_step_and_is_not_resumed(pruned):
+    out, args, done = pruned
+    assert "[trial 0] complete" in done.stdout and "[trial 1] pruned at step 50 in" in done.stdout
+    assert {n: (state, params) for n, (state, params, _) in trials_of(out).items()} == {
+        0: ("COMPLETE", {"lr": "0.01"}), 1: ("PRUNED", {"lr": "0.00001"})}
+    run = out / "runs" / "trial-0001"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 50 and summary["stop_reason"].startswith("pruned at step 50 by the search's "
+                                                                              "median pruner (val_mse ")
+    assert checkpoint.step_of(checkpoint.newest_complete(run)) == 50
+    assert verify_run(run) == []
+    again = toolkit(*args)
+    assert "all 2 trials ended" in again.stdout and "[trial" not in again.stdout
+    assert "resuming from" not in (out / "logs" / "trial-0001.log").read_text()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--search", "lr=abc:1"], "--search 'lr=abc:1': the bounds must be numbers"),
+    (["--search", "lr=log:0:1"], "a log range needs a low bound above 0"),
+    (["--search", "lr=0.1"], "give two or more different values"),
+    (["--search", "hidden=int:1.5:4"], "the bounds must be integers"),
+    (["--search", "lr=1:0"], "the low bound must be below the high one"),
+    (["--search", "output-dir=a,b"], "--output-dir is set by the sweep"),
+    (["--search", "dropout=0:2"], "refused by template.py: --dropout 2.0 is invalid"),
+    (["--search", "nope=0:1"], "refused by template.py: Unrecognized options: --nope"),
+    (["--search", "lr=0:1", "--grid", "seed=0,1"], "--grid and --search are two kinds of sweep"),
+    (["--search", "lr=1e-3:1e-2", "--sampler", "grid"], "--sampler grid takes integer and one-of specs only"),
+    (["--search", "hidden=int:16:18", "--sampler", "grid", "--trials", "4"], "more than the grid's 3 combinations"),
+    (["--search", "lr=1e-3:1e-2", "--trials", "0"], "--trials 0 is invalid"),
+    (["--search", "lr=1e-3:1e-2", "--metric", ""], "--metric is missing"),
+], ids=["not-numbers", "log-at-0", "one-value", "int-bounds", "low-above-high", "output-dir", "recipe-check",
+        "unknown-flag", "with-grid", "grid-of-floats", "grid-too-small", "trials-0", "no-metric"])
+def test_bad_searches_are_one_line_and_make_nothing(args, fragment, tmp_path):
+    base = {"--trials": "2", "--metric": "val_mse"}
+    given = [*args] + [part for flag, value in base.items() if flag not in args for part in (flag, value)]
+    result = toolkit("sweep", TEMPLATE, *given, "--out", tmp_path / "new", "--", "--max-steps", "2", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_a_search_without_optuna_is_one_line_naming_the_pip_command(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['optuna'] = None  # import raises ImportError\n")
+    result = toolkit("sweep", TEMPLATE, *SEARCH, "--trials", "2", "--out", tmp_path / "new", check=False,
+                     env={"PYTHONPATH": f"{site}:{ROOT}"})
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: searching flag values (toolkit sweep --search) needs optuna, which is not installed: pip install "
+        "'accelerate-recipes[search]'"], result.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_metric_the_recipe_does_not_report_or_the_wrong_direction_stops_the_study_at_its_first_trial(tmp_path):
+    cases = [(["--metric", "val_nope"], "--metric val_nope is not among the metrics the recipe reports (val_mse)"),
+             (["--metric", "val_mse", "--direction", "max"], "--direction max, but the recipe's val_mse is better "
+                                                            "lower; give --direction min")]
+    for i, (metric, fragment) in enumerate(cases):
+        out = tmp_path / str(i)
+        result = toolkit("sweep", TEMPLATE, "--search", "lr=log:1e-4:1e-2", *metric, "--trials", "3", "--out", out,
+                         "--", *COMMON, check=False)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], result.stderr
+        assert list(trials_of(out).values())[0][0] == "FAIL" and len(trials_of(out)) == 1  # no second trial
+
+
+def test_the_training_loop_does_not_import_optuna():
+    code = "import sys, toolkit, toolkit.loop.training, toolkit.tools.sweep; print('optuna' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=recipe_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.slurm
+def test_a_search_as_a_slurm_job_array_gives_each_task_its_own_trial(slurm_env, tmp_path):
+    from test_slurm import _nodes_idle, wait_for
+
+    cluster = {"SLURM_CONF": slurm_env["SLURM_CONF"]}
+    out = tmp_path / "study"
+    args = [*search(out, 2, "--launcher", "slurm", "--max-parallel", "2", "--sbatch-option=--nodes=1")]
+    submitted = toolkit(*args, env=cluster)
+    job = submitted.stdout.split("submitted job array ")[1].split(":")[0]
+
+    def array_done():
+        queued = subprocess.run(["squeue", "-h", "-j", job], env=recipe_env(cluster), capture_output=True, text=True)
+        return queued.returncode == 0 and not queued.stdout.strip() and _nodes_idle(cluster)
+
+    wait_for(array_done, timeout=600, what="the array's tasks to end")
+    again = toolkit(*args, env=cluster)  # records the finished trials; nothing left to submit
+    assert "all 2 trials ended" in again.stdout, again.stdout
+    trials = trials_of(out)
+    assert sorted(trials) == [0, 1] and all(state == "COMPLETE" for state, _, _ in trials.values())
+    for number in (0, 1):
+        run = out / "runs" / f"trial-{number:04d}"
+        assert verify_run(run, expect_world_size=1) == []
+        assert json.loads((run / "config.json").read_text())["config"]["lr"] == trials[number][1]["lr"]
