@@ -25,7 +25,8 @@ optuna = pytest.importorskip("optuna")
 
 TEMPLATE = str(ROOT / "recipes" / "template.py")
 # 200 steps (~2 s of training) with 4 evaluations and checkpoints: long enough for a kill to land mid-trial.
-COMMON = ["--max-steps", "200", "--eval-every-steps", "50", "--checkpoint-every", "50", "--log-with", "none"]
+COMMON = ["--epochs", "8", "--max-steps", "200", "--eval-every-steps", "50", "--checkpoint-every", "50", "--log-with",
+          "none"]
 SEARCH = ["--search", "lr=log:1e-5:1e-1", "--metric", "val_mse", "--direction", "min"]
 
 
@@ -154,6 +155,22 @@ def test_a_pruned_trial_ends_clean_at_its_step_and_is_not_resumed(pruned):
     assert "resuming from" not in (out / "logs" / "trial-0001.log").read_text()
 
 
+def test_a_two_process_trial_is_pruned_on_every_rank_at_the_same_step(tmp_path):
+    """At 2 processes only the main process asks the study; the decision reaches the other rank through the loop's
+    stop agreement, so both stop, checkpoint and exit 0 at the step the summary names."""
+    out = tmp_path / "study"
+    toolkit("sweep", TEMPLATE, "--search", "lr=0.01,0.00001", "--sampler", "grid", "--trials", "2", "--metric",
+            "val_mse", "--direction", "min", "--prune", "median", "--prune-after-trials", "1", "--out", out,
+            "--config-file", ROOT / "accelerate_configs" / "cpu_2proc.yaml", "--", *COMMON)
+    run = out / "runs" / "trial-0001"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["stop_reason"].startswith("pruned at step 50 ")
+    assert checkpoint.step_of(checkpoint.newest_complete(run)) == 50
+    assert verify_run(run, expect_world_size=2) == []
+    # rank 1 stopped there too: the step's checkpoint is collective, and both processes exited 0 (the trial ended)
+    assert "stopping at step 50: pruned at step 50" in (out / "logs" / "trial-0001.log").read_text()
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--search", "lr=abc:1"], "--search 'lr=abc:1': the bounds must be numbers"),
     (["--search", "lr=log:0:1"], "a log range needs a low bound above 0"),
@@ -212,24 +229,46 @@ def test_the_training_loop_does_not_import_optuna():
 
 
 @pytest.mark.slurm
-def test_a_search_as_a_slurm_job_array_gives_each_task_its_own_trial(slurm_env, tmp_path):
-    from test_slurm import _nodes_idle, wait_for
+def test_a_search_as_a_slurm_job_array_gives_each_task_its_own_trial_also_after_a_requeue(slurm_env, tmp_path):
+    """Two array tasks take trials 0 and 1 from the study; one is pre-empted (SIGUSR1), requeued, takes its own trial
+    again and resumes it; the same command again records both and submits nothing."""
+    from conftest import logged_steps
+    from test_slurm import _nodes_idle, job_field, wait_for
 
     cluster = {"SLURM_CONF": slurm_env["SLURM_CONF"]}
     out = tmp_path / "study"
-    args = [*search(out, 2, "--launcher", "slurm", "--max-parallel", "2", "--sbatch-option=--nodes=1")]
+    common = ["--epochs", "120", "--max-steps", "3000", "--eval-every-steps", "1000", "--log-with", "csv",
+              "--log-every", "1"]
+    args = ["sweep", TEMPLATE, *SEARCH, "--trials", "2", "--out", out, "--launcher", "slurm", "--max-parallel", "2",
+            "--sbatch-option=--nodes=1", "--", *common]
     submitted = toolkit(*args, env=cluster)
     job = submitted.stdout.split("submitted job array ")[1].split(":")[0]
+    run = out / "runs" / "trial-0000"
+    wait_for(lambda: logged_steps(run) >= 2, what="trial 0 to train")
+    owner = wait_for(lambda: json.loads((out / "sweep.json").read_text()).get("claims", {}).get("0"),
+                     what="trial 0's task in the manifest")
+    task = owner  # JOB_TASK, as scontrol names an array task
+    subprocess.run(["scancel", "--batch", "--signal=USR1", task], env=recipe_env(cluster), capture_output=True)
+    wait_for(lambda: job_field(cluster, task, "Restarts") == "1", what=f"the requeue of {task}")
 
-    def array_done():
-        queued = subprocess.run(["squeue", "-h", "-j", job], env=recipe_env(cluster), capture_output=True, text=True)
-        return queued.returncode == 0 and not queued.stdout.strip() and _nodes_idle(cluster)
+    def others_done():
+        states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], env=recipe_env(cluster),
+                                capture_output=True, text=True).stdout.split()
+        return all(state == task for state in states) and _nodes_idle(cluster)
 
-    wait_for(array_done, timeout=600, what="the array's tasks to end")
+    wait_for(others_done, timeout=600, what="the other task to end")
+    # Released early (SLURM would wait ~120 s); it may have started, and ended, by itself already
+    subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=recipe_env(cluster),
+                   capture_output=True)
+    wait_for(lambda: (run / "summary.json").exists() and job_field(cluster, task, "JobState") == "COMPLETED",
+             timeout=600, what="the requeued task to finish")
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
+    assert "pre-empted at step" in logs and "resuming from" in logs
     again = toolkit(*args, env=cluster)  # records the finished trials; nothing left to submit
     assert "all 2 trials ended" in again.stdout, again.stdout
     trials = trials_of(out)
     assert sorted(trials) == [0, 1] and all(state == "COMPLETE" for state, _, _ in trials.values())
+    assert json.loads((out / "sweep.json").read_text())["claims"]["0"] == owner  # the same task, its own trial
     for number in (0, 1):
         run = out / "runs" / f"trial-{number:04d}"
         assert verify_run(run, expect_world_size=1) == []

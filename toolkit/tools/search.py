@@ -37,6 +37,7 @@ import shlex
 import subprocess
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,6 +246,8 @@ def write_manifest(out: Path, manifest: dict, study, specs: dict[str, Spec]) -> 
                          "flags": flags_of(t.params, specs), "value": t.value,
                          "output_dir": str(out / "runs" / trial_name(t.number))}
                         for t in study.get_trials(deepcopy=False) if set(specs) <= set(t.params)]
+    if claims := study.user_attrs.get("claims"):  # SLURM: the array task (JOB_TASK) that runs each trial
+        manifest["claims"] = claims
     partial = out / f".{sweep.MANIFEST}.partial"
     partial.write_text(json.dumps(manifest, indent=2) + "\n")
     partial.replace(out / sweep.MANIFEST)
@@ -422,6 +425,7 @@ def run_local(out: Path, manifest: dict, specs: dict[str, Spec], config_file: Pa
                 else:
                     failed[number] = why  # left RUNNING: the same command again resumes it
             write_manifest(out, manifest, study, specs)
+        with say:
             print(f"[trial {number}] {_outcome(study, out, number)} in {took:.0f} s"
                   + (f": {failed[number]} (see {log})" if number in failed else ""), flush=True)
 
@@ -573,7 +577,9 @@ def report(out: Path, top: int = 5) -> None:
         for t in done[:top]:
             print(f"  {trial_name(t.number)}  {t.value:.6g}  {' '.join(f'{k}={v}' for k, v in t.params.items())}")
     try:
-        importances = optuna.importance.get_param_importances(study)
+        with warnings.catch_warnings():  # too few trials: said below in one line instead
+            warnings.simplefilter("ignore")
+            importances = optuna.importance.get_param_importances(study)
     except (RuntimeError, ValueError) as error:
         print(f"importance: not computed ({str(error).splitlines()[0]})")
     else:
@@ -613,9 +619,14 @@ def plot(study, manifest: dict, specs: dict[str, Spec], path: Path) -> None:
         axis.set_xlabel(key)
         axis.set_ylabel(manifest["metric"])
         axis.grid(alpha=0.3)
+        if any(t.state == states.PRUNED for t in shown):
+            axis.legend(fontsize=8)
     axis = axes[0][-1]
     ordered = sorted(shown, key=lambda t: t.number)
-    axis.scatter([t.number for t in ordered], [value(t) for t in ordered], c="C0", s=12)
+    for pruned in (False, True):
+        group = [t for t in ordered if (t.state == states.PRUNED) == pruned]
+        axis.scatter([t.number for t in group], [value(t) for t in group], facecolors="none" if pruned else "C0",
+                     edgecolors="C0", s=14)
     best, line = None, []
     for t in ordered:
         if t.state == states.COMPLETE:
@@ -624,6 +635,7 @@ def plot(study, manifest: dict, specs: dict[str, Spec], path: Path) -> None:
         line.append(best)
     axis.step([t.number for t in ordered], line, where="post", color="C1", label="best so far")
     axis.set_xlabel("trial")
+    axis.xaxis.get_major_locator().set_params(integer=True)
     axis.set_ylabel(manifest["metric"])
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
