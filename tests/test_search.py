@@ -208,17 +208,28 @@ def test_a_search_without_optuna_is_one_line_naming_the_pip_command(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_a_metric_the_recipe_does_not_report_or_the_wrong_direction_stops_the_study_at_its_first_trial(tmp_path):
-    cases = [(["--metric", "val_nope"], "--metric val_nope is not among the metrics the recipe reports (val_mse)"),
-             (["--metric", "val_mse", "--direction", "max"], "--direction max, but the recipe's val_mse is better "
-                                                            "lower; give --direction min")]
-    for i, (metric, fragment) in enumerate(cases):
-        out = tmp_path / str(i)
-        result = toolkit("sweep", TEMPLATE, "--search", "lr=log:1e-4:1e-2", *metric, "--trials", "3", "--out", out,
-                         "--", *COMMON, check=False)
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], result.stderr
-        assert list(trials_of(out).values())[0][0] == "FAIL" and len(trials_of(out)) == 1  # no second trial
+def test_a_metric_the_recipe_does_not_report_stops_the_study_at_its_first_trial(tmp_path):
+    out = tmp_path / "study"
+    result = toolkit("sweep", TEMPLATE, "--search", "lr=log:1e-4:1e-2", "--metric", "val_nope", "--trials", "3",
+                     "--out", out, "--", *COMMON, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "--metric val_nope is not among the metrics the recipe reports (val_mse); give one of them" in errors[0]
+    assert list(trials_of(out).values())[0][0] == "FAIL" and len(trials_of(out)) == 1  # no second trial
+
+
+def test_the_wrong_direction_for_the_recipes_main_metric_is_one_line_on_every_rank():
+    from toolkit.errors import UsageError
+    from toolkit.loop.trial import TrialReporter
+
+    spec = {"metric": "val_mse", "direction": "max", "pruner": "none"}
+    for is_main in (True, False):  # refused before any rank talks to the study
+        reporter = TrialReporter(spec, is_main, main_metric="val_mse", higher_is_better=False)
+        with pytest.raises(UsageError, match="--direction max, but the recipe's val_mse is better lower; give "
+                                             "--direction min"):
+            reporter.report({"val_mse": 0.5}, step=10)
+    other = TrialReporter({**spec, "metric": "val_mae"}, False, main_metric="val_mse", higher_is_better=False)
+    assert other.report({"val_mse": 0.5, "val_mae": 0.4}, step=10) is None  # another metric: its direction is yours
 
 
 def test_the_training_loop_does_not_import_optuna():
