@@ -327,8 +327,6 @@ def test_linear_multiplies_by_onednn_in_float32_on_the_cpu_and_by_f_linear_other
             torch.testing.assert_close(weight_gradient, gs.t() @ xs, rtol=1e-4, atol=1e-3)
             # the same values whether g's transpose is at hand (SwiGLU's transposed Function) or g itself
             assert torch.equal(onednn.weight_gradient(xs, gs.t().contiguous().t()), weight_gradient)
-            if library == "mkl":  # g.T @ x: only where MKL runs AVX-512 do the two ways round differ by g's layout,
-                assert torch.equal(weight_gradient, torch.mm(gs.t(), xs))  # so elsewhere the way round is checked
     finally:
         torch.set_num_threads(threads)
     small = x[:, :4]  # 8 rows: 98k multiply-adds
