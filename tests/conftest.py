@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401 (a hook: pytest finds it in conftest)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "accelerate_configs"
