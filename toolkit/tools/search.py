@@ -502,14 +502,7 @@ def run_slurm(out: Path, manifest: dict, specs: dict[str, Spec], sbatch: Path, o
     command = ["sbatch", "--parsable", f"--array=0-{left - 1}{throttle}", f"--job-name=search-{out.name}",
                f"--output={out / 'logs' / 'slurm-%A_%a.out'}", f"--export=ALL,TOOLKIT_SEARCH={out}", *options,
                str(sbatch.resolve()), manifest["recipe"], *manifest["common"]]
-    try:
-        done = subprocess.run(command, cwd=sweep.ROOT, capture_output=True, text=True)
-    except FileNotFoundError:
-        raise UsageError("--launcher slurm: sbatch is not installed here; run on a SLURM login node, or use "
-                         "--launcher local") from None
-    if done.returncode != 0:
-        raise UsageError(f"sbatch refused the job array: {done.stderr.strip() or done.stdout.strip()}")
-    job = done.stdout.strip().split(";")[0]
+    job = sweep.submit_array(command)
     with locked(out):
         manifest["array_job"] = job
         write_manifest(out, manifest, study, specs)

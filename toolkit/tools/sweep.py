@@ -288,13 +288,21 @@ def run_slurm(out: Path, manifest: dict, sbatch: Path, options: list[str], max_p
     if not wanted:
         print(f"all {len(manifest['runs'])} runs finished; compare them with: python -m toolkit compare {out}")
         return 0
-    # From the project root, as the sbatch scripts expect (they source slurm/common.sh from there).
     throttle = f"%{max_parallel}" if max_parallel else ""
     command = ["sbatch", "--parsable", f"--array={','.join(map(str, wanted))}{throttle}",
                f"--job-name=sweep-{out.name}",
                f"--output={out / 'logs' / 'slurm-%A_%a.out'}", f"--export=ALL,TOOLKIT_SWEEP={out}", *options,
                str(sbatch.resolve()), manifest["recipe"], *manifest["common"]]
     (out / "logs").mkdir(exist_ok=True)
+    job = submit_array(command)
+    print(f"submitted job array {job}: {len(wanted)} task(s) of {len(manifest['runs'])} runs "
+          f"(tasks {','.join(map(str, wanted))}); when they end: python -m toolkit compare {out}")
+    return 0
+
+
+def submit_array(command: list[str]) -> str:
+    """Run `sbatch --parsable ...` from the project root (the sbatch scripts source slurm/common.sh from there): the
+    job array's id, or one line saying why not."""
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     except FileNotFoundError:
@@ -302,10 +310,7 @@ def run_slurm(out: Path, manifest: dict, sbatch: Path, options: list[str], max_p
                          "--launcher local") from None
     if done.returncode != 0:
         raise UsageError(f"sbatch refused the job array: {done.stderr.strip() or done.stdout.strip()}")
-    job = done.stdout.strip().split(";")[0]
-    print(f"submitted job array {job}: {len(wanted)} task(s) of {len(manifest['runs'])} runs "
-          f"(tasks {','.join(map(str, wanted))}); when they end: python -m toolkit compare {out}")
-    return 0
+    return done.stdout.strip().split(";")[0]
 
 
 def split_common(argv: list[str]) -> tuple[list[str], list[str]]:
