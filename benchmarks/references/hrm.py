@@ -135,12 +135,15 @@ def our_side(sizes: dict, batches: list[dict], seed: int) -> Callable[[], None]:
     """One training step of ours per call (recipes/hrm.py's loop body, one process, without Accelerate)."""
     import torch
 
+    from toolkit.kernels import converted
     from toolkit.models.hrm import HRM, AdamATan2, SparseSignSGD, act_losses
 
     s = sizes
-    model = HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=s["hidden"], heads=s["heads"], expansion=s["expansion"],
-                h_layers=s["h_layers"], l_layers=s["l_layers"], h_cycles=s["h_cycles"], l_cycles=s["l_cycles"],
-                halt_max_steps=s["halt_max_steps"], exploration_prob=s["exploration_prob"], positions="rope")
+    # the model as recipes/hrm.py trains it under --kernels auto: its fast paths swapped in (toolkit/kernels/)
+    model = converted(HRM(VOCAB, CELLS, num_puzzle_ids=1, hidden=s["hidden"], heads=s["heads"],
+                          expansion=s["expansion"], h_layers=s["h_layers"], l_layers=s["l_layers"],
+                          h_cycles=s["h_cycles"], l_cycles=s["l_cycles"], halt_max_steps=s["halt_max_steps"],
+                          exploration_prob=s["exploration_prob"], positions="rope"))
     model.train()
     optimizer = AdamATan2(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=s["weight_decay"])
 
