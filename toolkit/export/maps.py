@@ -22,6 +22,7 @@ import numpy as np
 
 from toolkit.errors import UsageError
 from toolkit.process import extras
+from toolkit.run.tracking import save_png
 
 EARTH_RADIUS_KM = 6371.0
 POLES = (("north", 1.0), ("south", -1.0))
@@ -132,13 +133,7 @@ def draw_maps(directory: Path | str, fields: list[MapField], lat: np.ndarray, lo
         colorbar.set_label(f"{item.label} [{item.units}]" if item.units else item.label)
         fig.suptitle(item.label, fontsize=11)
         path = directory / f"{item.name}.png"
-        partial = directory / f".{item.name}.{os.getpid()}.partial.png"
-        try:
-            fig.savefig(partial, dpi=DPI, format="png")
-            partial.replace(path)
-        finally:
-            plt.close(fig)
-            partial.unlink(missing_ok=True)
+        save_png(fig, path, dpi=DPI)
         written.append(path)
     return written
 

@@ -172,6 +172,18 @@ def write_json(path: Path, data: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def save_png(figure, path: Path, dpi: int) -> None:
+    """Write the figure to `path` whole or not at all (a full disk leaves no half-written picture: it is drawn into a
+    partial file beside it, renamed once complete, removed otherwise) and close it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial.png")
+    try:
+        figure.savefig(partial, dpi=dpi, format="png")
+        partial.replace(path)
+    finally:
+        extras.pyplot().close(figure)
+        partial.unlink(missing_ok=True)
+
+
 def _naming(error: OSError, path: Path) -> OSError:
     return error if error.filename else OSError(error.errno, error.strerror, str(path))
 
@@ -197,15 +209,10 @@ def plot_curves(run_dir: Path, main_metric: str) -> Path | None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(run_dir) / CURVES_FILE
-    partial = path.with_name(f".{path.name}.partial.png")  # a full disk leaves no half-written picture
     try:
-        fig.savefig(partial, dpi=110)
-        partial.replace(path)
+        save_png(fig, path, dpi=110)
     except OSError as error:
         raise _naming(error, path) from None
-    finally:
-        plt.close(fig)
-        partial.unlink(missing_ok=True)
     return path
 
 

@@ -27,6 +27,7 @@ from toolkit.errors import UsageError
 from toolkit.process import extras
 from toolkit.run.config import RESUMABLE_CHANGES
 from toolkit.run.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RunDir
+from toolkit.run.tracking import save_png
 from toolkit.tools import search
 
 PICTURE = "compare.png"
@@ -220,10 +221,7 @@ def plot(table: Comparison, out: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    partial = out.with_name(f".{out.name}.partial.png")
-    figure.savefig(partial, dpi=120)
-    plt.close(figure)
-    partial.replace(out)
+    save_png(figure, out, dpi=120)
 
 
 def _check_output(path: Path | None, flag: str) -> None:

@@ -45,6 +45,7 @@ from toolkit.errors import UsageError
 from toolkit.loop.trial import ENV, make_pruner, open_storage, pruned_step
 from toolkit.process import extras
 from toolkit.run.rundir import RunDir
+from toolkit.run.tracking import save_png
 from toolkit.tools import sweep
 
 JOURNAL = "study.journal"
@@ -633,7 +634,4 @@ def plot(study, manifest: dict, specs: dict[str, Spec], path: Path) -> None:
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)
     figure.tight_layout()
-    partial = path.with_name(f".{path.name}.partial.png")
-    figure.savefig(partial, dpi=110)
-    plt.close(figure)
-    partial.replace(path)
+    save_png(figure, path, dpi=110)
