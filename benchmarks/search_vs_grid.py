@@ -58,6 +58,11 @@ def main() -> int:
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="search-vs-grid-"))
     common = ["--epochs", str(args.epochs), "--eval-every", "1", "--log-with", "none", *extra]
+    sys.path.insert(0, str(ROOT))
+    from toolkit.run.precision import cpu_kind
+
+    machine = cpu_kind(threads="the recipe's")
+    print(f"CPU: {machine}; {args.runs_per_device} run(s) at a time", flush=True)
     grid_time = sweep(["--grid", *GRID], out / "grid", common, args.runs_per_device)
     search_time = sweep(["--search", *SEARCH, "--trials", str(args.trials), "--metric", METRIC, "--direction", "max",
                          "--prune", "median"], out / "search", common, args.runs_per_device)
