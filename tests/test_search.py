@@ -208,14 +208,35 @@ def test_a_search_without_optuna_is_one_line_naming_the_pip_command(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_a_metric_the_recipe_does_not_report_stops_the_study_at_its_first_trial(tmp_path):
-    out = tmp_path / "study"
-    result = toolkit("sweep", TEMPLATE, "--search", "lr=log:1e-4:1e-2", "--metric", "val_nope", "--trials", "3",
-                     "--out", out, "--", *COMMON, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr
-    assert "--metric val_nope is not among the metrics the recipe reports (val_mse); give one of them" in errors[0]
-    assert list(trials_of(out).values())[0][0] == "FAIL" and len(trials_of(out)) == 1  # no second trial
+def test_a_metric_the_recipe_does_not_report_or_the_wrong_direction_is_one_line_before_any_trial(tmp_path):
+    """The recipe's loop is built once (TOOLKIT_METRIC_PROBE) and checks --metric and --direction before the study
+    exists: nothing is made, no trial runs."""
+    cases = [("val_nope", "min", "--metric val_nope is not among the metrics the recipe reports (val_mse); give one "
+              "of them"),
+             ("val_mse", "max", "--direction max, but the recipe's val_mse is better lower; give --direction min")]
+    for metric, direction, line in cases:
+        out = tmp_path / f"{metric}-{direction}"
+        result = toolkit("sweep", TEMPLATE, "--search", "lr=log:1e-4:1e-2", "--metric", metric, "--direction",
+                         direction, "--trials", "3", "--out", out, "--", *COMMON, check=False)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [f"error: {line}"], result.stderr
+        assert not out.exists()
+
+
+def test_the_metric_probe_evaluates_only_for_a_metric_other_than_the_main_one(monkeypatch):
+    from toolkit.loop.trial import PROBE_ENV, probe_metric
+
+    calls = []
+
+    def evaluate():
+        calls.append(1)
+        return {"val_mse": 1.0, "val_mae": 2.0}
+
+    assert probe_metric("val_mse", False, evaluate) is None and calls == []  # outside a probe: nothing
+    for metric, direction, evaluations in (("val_mse", "min", 0), ("val_mae", "max", 1)):
+        monkeypatch.setenv(PROBE_ENV, json.dumps({"metric": metric, "direction": direction}))
+        with pytest.raises(SystemExit) as exited:
+            probe_metric("val_mse", False, evaluate)
+        assert exited.value.code == 0 and len(calls) == evaluations
 
 
 def test_the_wrong_direction_for_the_recipes_main_metric_is_one_line_on_every_rank():

@@ -32,7 +32,7 @@ from toolkit.loop.meter import StepMeter
 from toolkit.loop.progress import Progress, require_whole_epoch, rest_of_epoch, total_training_steps
 from toolkit.loop.restart import RestartUnderLoad
 from toolkit.loop.summary import RunEnd
-from toolkit.loop.trial import TrialReporter
+from toolkit.loop.trial import TrialReporter, probe_metric
 from toolkit.process import preemption
 from toolkit.run import compilation, randomness
 from toolkit.run.distributed import mean_over_processes
@@ -89,6 +89,10 @@ class TrainingLoop(RunEnd):
         """Take the run directory (lock, config.json, trackers), then load the resume checkpoint (if any) into the
         prepared objects, the extra state and the loop. Call after prepare()."""
         run = self.run
+        # `sweep --search` checks its --metric against this recipe before a study starts (TOOLKIT_METRIC_PROBE):
+        # here, once the recipe has defined everything its evaluate() calls, and before anything is written; exits
+        evaluations = self.evaluations
+        probe_metric(self.main_metric, self.higher_is_better, lambda: evaluations.measure(evaluations.evaluate_fn))
         self.keeper.refuse_another_world_size()  # before anything is written
         run.begin()
         saved = self.keeper.resume()

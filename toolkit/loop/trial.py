@@ -18,6 +18,10 @@ import warnings
 from toolkit.errors import UsageError
 
 ENV = "TOOLKIT_TRIAL"
+# {"metric": NAME, "direction": "max"|"min"}: the recipe checks them once its loop is built (the recipe's main
+# metric without evaluating, any other by one evaluation of the untrained model), then exits 0 or 2 with one line.
+# `sweep --search` runs this once before a study's first trial, so a wrong --metric costs seconds, not a trial.
+PROBE_ENV = "TOOLKIT_METRIC_PROBE"
 PRUNED = "pruned at step "  # how summary.json's stop_reason of a pruned trial begins
 
 
@@ -50,6 +54,30 @@ def pruned_step(summary: dict | None) -> int | None:
     return int(summary["global_step"]) if reason.startswith(PRUNED) else None
 
 
+def check_metric(metric: str, direction: str, reported, main_metric: str, higher_is_better: bool) -> None:
+    """A searched metric the recipe does not report, or the wrong direction for its main metric: one line."""
+    if metric not in reported:
+        raise UsageError(f"--metric {metric} is not among the metrics the recipe reports "
+                         f"({', '.join(sorted(reported))}); give one of them")
+    if metric == main_metric and (direction == "max") != higher_is_better:
+        better = "higher" if higher_is_better else "lower"
+        raise UsageError(f"--direction {direction}, but the recipe's {metric} is better {better}; give "
+                         f"--direction {'max' if higher_is_better else 'min'}")
+
+
+def probe_metric(main_metric: str, higher_is_better: bool, evaluate) -> None:
+    """Under TOOLKIT_METRIC_PROBE: check the searched metric and direction against the recipe and exit (0 when
+    right); evaluate() (the untrained model's validation metrics) is called only for a metric other than the main
+    one. Does nothing otherwise."""
+    text = os.environ.get(PROBE_ENV)
+    if not text:
+        return
+    spec = json.loads(text)
+    reported = [main_metric] if spec["metric"] == main_metric else list(evaluate())
+    check_metric(spec["metric"], spec["direction"], reported, main_metric, higher_is_better)
+    raise SystemExit(0)
+
+
 class TrialReporter:
     def __init__(self, spec: dict, is_main: bool, main_metric: str, higher_is_better: bool):
         self.spec, self.is_main = spec, is_main
@@ -65,14 +93,8 @@ class TrialReporter:
     def report(self, metrics: dict, step: int) -> str | None:
         """Report the metric at this step (main process); the reason to stop when the pruner prunes, else None.
         Every rank checks the metric's name (every rank has the same metrics), so a wrong one stops them all."""
-        metric, direction = self.spec["metric"], self.spec["direction"]
-        if metric not in metrics:
-            raise UsageError(f"--metric {metric} is not among the metrics the recipe reports "
-                             f"({', '.join(sorted(metrics))}); give one of them")
-        if metric == self.main_metric and (direction == "max") != self.higher_is_better:
-            better = "higher" if self.higher_is_better else "lower"
-            raise UsageError(f"--direction {direction}, but the recipe's {metric} is better {better}; give "
-                             f"--direction {'max' if self.higher_is_better else 'min'}")
+        metric = self.spec["metric"]
+        check_metric(metric, self.spec["direction"], metrics, self.main_metric, self.higher_is_better)
         if not self.is_main:
             return None
         trial, value = self._study_trial(), float(metrics[metric])

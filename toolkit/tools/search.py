@@ -35,6 +35,7 @@ import random
 import re
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
 import warnings
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UsageError
-from toolkit.loop.trial import ENV, make_pruner, open_storage, pruned_step
+from toolkit.loop.trial import ENV, PROBE_ENV, make_pruner, open_storage, pruned_step
 from toolkit.process import extras
 from toolkit.run.rundir import RunDir
 from toolkit.run.tracking import save_png
@@ -313,13 +314,28 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, dict[str, Spec]]:
         manifest["array_job"] = before.get("array_job")
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} is not empty and holds no {sweep.MANIFEST}; choose a new or empty directory")
-    for flags in bound_flags(specs):
+    bounds = bound_flags(specs)
+    for flags in bounds:
         why = sweep.refusal(args.recipe, [*flags, *common])
         if why is not None:
             raise UsageError(f"--search {' '.join(flags)} (the ranges' bounds) is refused by {args.recipe.name}: "
                              f"{why}")
+    if not previous.exists():  # a new study: its metric and direction through the recipe's own loop
+        why = metric_refusal(args.recipe, [*bounds[0], *common], args.metric, args.direction)
+        if why is not None:
+            raise UsageError(why if why.startswith(("--metric", "--direction")) else
+                             f"{args.recipe.name} {shlex.join([*bounds[0], *common])} fails before training: {why}")
     out.mkdir(parents=True, exist_ok=True)
     return out.resolve(), manifest, specs
+
+
+def metric_refusal(recipe: Path, flags: list[str], metric: str, direction: str) -> str | None:
+    """The recipe built as a trial builds it (data, model, loop) in a scratch directory, told to check --metric and
+    --direction (TOOLKIT_METRIC_PROBE: its main metric without evaluating, another by evaluating the untrained
+    model once) and exit; its one line, or None."""
+    with tempfile.TemporaryDirectory(prefix="metric-probe-") as scratch:
+        env = {PROBE_ENV: json.dumps({"metric": metric, "direction": direction})}
+        return sweep.refusal(recipe, [*flags, "--output-dir", str(Path(scratch) / "run"), "--log-with", "none"], env)
 
 
 def is_study(directory: Path) -> bool:

@@ -116,9 +116,10 @@ def check_flags(recipe: Path, manifest: dict) -> None:
             raise UsageError(f"run {run['name']} of the grid is refused by {recipe.name}: {why}")
 
 
-def refusal(recipe: Path, flags: list[str]) -> str | None:
-    """The recipe's own error for these flags (its parser and check(), TOOLKIT_CHECK_ARGS), or None if it takes them."""
-    done = subprocess.run([sys.executable, str(recipe), *flags], env={**os.environ, CHECK_ARGS: "1"},
+def refusal(recipe: Path, flags: list[str], env: dict | None = None) -> str | None:
+    """The recipe's own error for these flags (its parser and check(), TOOLKIT_CHECK_ARGS), or None if it takes them.
+    env: other variables that make the recipe check something and exit (TOOLKIT_METRIC_PROBE) instead."""
+    done = subprocess.run([sys.executable, str(recipe), *flags], env={**os.environ, **(env or {CHECK_ARGS: "1"})},
                           capture_output=True, text=True)
     if done.returncode == 0:
         return None
