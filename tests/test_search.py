@@ -305,3 +305,46 @@ def test_a_search_as_a_slurm_job_array_gives_each_task_its_own_trial_also_after_
         run = out / "runs" / f"trial-{number:04d}"
         assert verify_run(run, expect_world_size=1) == []
         assert json.loads((run / "config.json").read_text())["config"]["lr"] == trials[number][1]["lr"]
+
+
+def test_the_random_sampler_draws_by_seed_and_hyperband_prunes_through_the_trial_reporter(tmp_path):
+    """In process, no runs: --sampler random draws the same values for the same --search-seed and trial number
+    (and others for another seed), within the ranges; a --prune hyperband trial far behind the finished ones is
+    pruned by TrialReporter.report with the reason summary.json keeps."""
+    from toolkit.loop.trial import PRUNED, TrialReporter
+    from toolkit.tools import search as search_
+
+    specs = search_.parse_specs(["lr=log:1e-4:1e-2", "hidden=int:8:64", "act=relu,gelu"])
+
+    def drawn(seed, name):
+        out = tmp_path / name
+        out.mkdir()
+        manifest = {"prune": "none", "prune_after_trials": 0, "direction": "min", "sampler": "random",
+                    "search_seed": seed}
+        study = search_.load_study(out, manifest, create=True)
+        return [search_.ask(study, manifest, specs).params for _ in range(4)]
+
+    first, again, other = drawn(7, "seed-7"), drawn(7, "seed-7-again"), drawn(8, "seed-8")
+    assert first == again and first != other
+    assert all(1e-4 <= p["lr"] <= 1e-2 and 8 <= p["hidden"] <= 64 and p["act"] in ("relu", "gelu") for p in first)
+
+    out = tmp_path / "hyperband"
+    out.mkdir()
+    manifest = {"prune": "hyperband", "prune_after_trials": 0, "direction": "min", "sampler": "random",
+                "search_seed": 0, "metric": "val_mse"}
+    study = search_.load_study(out, manifest, create=True)
+
+    def reported(values):  # a trial's reasons to stop at steps 1..32, as its run's evaluations would ask
+        number = search_.ask(study, manifest, specs).number
+        reporter = TrialReporter(json.loads(search_.trial_environment(out, manifest, number)), True,
+                                 main_metric="val_mse", higher_is_better=False)
+        return number, [reporter.report({"val_mse": value}, step) for step, value in enumerate(values, 1)]
+
+    for _ in range(12):  # finished trials, alike, whose val_mse falls to 0.13 over 32 evaluations: none pruned
+        number, reasons = reported([0.1 + 1 / step for step in range(1, 33)])
+        assert not any(reasons)
+        study.tell(number, 0.1 + 1 / 32)
+    _, reasons = reported([50.0] * 32)
+    pruned_at = next(step for step, reason in enumerate(reasons, 1) if reason)
+    assert reasons[pruned_at - 1] == f"{PRUNED}{pruned_at} by the search's hyperband pruner (val_mse 50)"
+    assert pruned_at < 32
