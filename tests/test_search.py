@@ -222,6 +222,24 @@ def test_a_metric_the_recipe_does_not_report_or_the_wrong_direction_is_one_line_
         assert not out.exists()
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine where --cuda-graphs fails")
+def test_flags_that_fail_before_training_refuse_a_local_search_and_leave_a_slurm_one_to_its_nodes(tmp_path):
+    """--cuda-graphs fails on this CPU machine at the recipe's start: locally every trial would fail alike (one line,
+    nothing made); under SLURM the trials run on the cluster's nodes, so the search says the metric was not checked
+    here and goes on to sbatch (refused here by an option sbatch does not know: nothing is queued)."""
+    base = ["sweep", TEMPLATE, *SEARCH, "--trials", "2"]
+    local = toolkit(*base, "--out", tmp_path / "local", "--", *COMMON, "--cuda-graphs", check=False)
+    assert local.returncode == 2 and len(local.stderr.strip().splitlines()) == 1, local.stderr
+    assert "fails before training: --cuda-graphs needs a CUDA device" in local.stderr
+    assert not (tmp_path / "local").exists()
+    slurm = toolkit(*base, "--out", tmp_path / "slurm", "--launcher", "slurm", "--sbatch-option=--no-such-option",
+                    "--", *COMMON, "--cuda-graphs", check=False)
+    lines = slurm.stderr.strip().splitlines()
+    assert lines[0].startswith("--metric val_mse not checked here (template.py does not start on this machine: "
+                               "--cuda-graphs needs a CUDA device"), slurm.stderr
+    assert slurm.returncode == 2 and len(lines) == 2 and lines[1].startswith("error: sbatch refused the job array: ")
+
+
 def test_the_metric_probe_evaluates_only_for_a_metric_other_than_the_main_one(monkeypatch):
     from toolkit.loop.trial import PROBE_ENV, probe_metric
 

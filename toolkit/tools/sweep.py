@@ -309,8 +309,9 @@ def submit_array(command: list[str]) -> str:
     except FileNotFoundError:
         raise UsageError("--launcher slurm: sbatch is not installed here; run on a SLURM login node, or use "
                          "--launcher local") from None
-    if done.returncode != 0:
-        raise UsageError(f"sbatch refused the job array: {done.stderr.strip() or done.stdout.strip()}")
+    if done.returncode != 0:  # sbatch's last line says why (its lines before it are the steps that led there)
+        said = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
+        raise UsageError(f"sbatch refused the job array: {said}")
     return done.stdout.strip().split(";")[0]
 
 
