@@ -329,7 +329,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, dict[str, Spec]]:
             raise UsageError(f"{args.recipe.name} {shlex.join([*bounds[0], *common])} fails before training: {why}")
         if why is not None:  # SLURM: the trials run on the cluster's nodes (a GPU this machine may not have)
             print(f"--metric {args.metric} not checked here ({args.recipe.name} does not start on this machine: "
-                  f"{why}); the first trial's first evaluation checks it", file=sys.stderr, flush=True)
+                  f"{why}); each trial's first evaluation checks it", file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     return out.resolve(), manifest, specs
 
