@@ -37,8 +37,9 @@ def start(kind: list[str], out: Path, common: list[str], core: int | None) -> su
     command = [sys.executable, "-m", "toolkit", "sweep", "recipes/sasrec.py", *kind, "--out", str(out), "--",
                *common]
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(command, cwd=ROOT, stdout=open(f"{out}.log", "w"), stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
+    with open(f"{out}.log", "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
 
 
 def finish(process: subprocess.Popen, began: float) -> float:

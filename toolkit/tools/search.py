@@ -325,7 +325,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict, dict[str, Spec]]:
         why = metric_refusal(args.recipe, [*bounds[0], *common], args.metric, args.direction)
         if why is not None and why.startswith(("--metric", "--direction")):
             raise UsageError(why)
-        if why is not None and args.launcher == "local":  # the trials would fail alike, on this machine
+        if why is not None and args.launcher == "local":  # every trial would fail alike, on this machine
             raise UsageError(f"{args.recipe.name} {shlex.join([*bounds[0], *common])} fails before training: {why}")
         if why is not None:  # SLURM: the trials run on the cluster's nodes (a GPU this machine may not have)
             print(f"--metric {args.metric} not checked here ({args.recipe.name} does not start on this machine: "
